@@ -1,0 +1,322 @@
+"""Configuration: the paper's hyperparameters as frozen dataclasses, and the presets of Table 3.
+
+Names follow the paper (section 3, section 5, Table 3): N, d_model, d_ff, h, d_k, d_v, P_drop,
+eps_ls, warmup_steps. Only the CLI turns strings into configs (see :func:`apply_overrides`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Literal
+
+Positional = Literal["sinusoidal", "learned"]
+DType = Literal["fp32", "bf16"]
+
+#: Token ids of the shared vocabulary, the same in every run (sentencepiece is trained with them).
+PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+
+
+class ConfigError(ValueError):
+    """A bad configuration key or value; the message names the key."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture (section 3). Defaults are the paper's base model.
+
+    `vocab_size` is 0 in presets and filled in from the prepared vocabulary.
+    """
+
+    N: int = 6  # layers in each of the encoder and decoder stacks
+    d_model: int = 512
+    d_ff: int = 2048
+    h: int = 8
+    d_k: int = 64
+    d_v: int = 64
+    P_drop: float = 0.1  # residual and embedding dropout (section 5.4)
+    # Deviations the paper does not use, off by default (tensor2tensor has both knobs).
+    attn_dropout: float = 0.0
+    relu_dropout: float = 0.0
+    positional: Positional = "sinusoidal"  # "learned" is Table 3 row E
+    max_positions: int = 1024  # longest sequence the position table holds
+    share_embeddings: bool = True  # one matrix: source, target and pre-softmax (section 3.4)
+    vocab_size: int = 0
+
+    def validate(self) -> None:
+        for name in ("N", "d_model", "d_ff", "h", "d_k", "d_v", "max_positions"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"model.{name} must be > 0, got {getattr(self, name)}")
+        for name in ("P_drop", "attn_dropout", "relu_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"model.{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.positional not in ("sinusoidal", "learned"):
+            raise ConfigError(f"model.positional must be 'sinusoidal' or 'learned', got "
+                              f"{self.positional!r}")
+        if self.positional == "sinusoidal" and self.d_model % 2:
+            raise ConfigError("model.d_model must be even for sinusoidal positions")
+        if self.vocab_size < 0:
+            raise ConfigError(f"model.vocab_size must be >= 0, got {self.vocab_size}")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The training recipe (section 5). Defaults are the paper's base recipe."""
+
+    eps_ls: float = 0.1  # label smoothing (section 5.4)
+    warmup_steps: int = 4000
+    lr_scale: float = 1.0  # multiplies Eq. 3; 1.0 is the paper
+    beta1: float = 0.9
+    beta2: float = 0.98
+    adam_eps: float = 1e-9
+    max_tokens: int = 25000  # per batch and per side, before accumulation (section 5.1)
+    update_freq: int = 1  # gradient accumulation: batches per optimizer step
+    max_steps: int = 100_000
+    max_minutes: float = 0.0  # wall-clock budget for training; 0 = none
+    clip_norm: float = 0.0  # 0 = no clipping (the paper does not clip)
+    save_interval_steps: int = 0  # 0 = use save_interval_minutes only
+    save_interval_minutes: float = 10.0  # the paper writes checkpoints every 10 minutes
+    keep_last: int = 5  # checkpoints kept; the paper averages the last 5 (base)
+    valid_interval_steps: int = 1000
+    log_interval_steps: int = 50
+    max_len: int = 256  # training pairs with a longer side (in subwords) are filtered
+    max_len_ratio: float = 9.0  # pairs whose length ratio exceeds this are filtered
+    seed: int = 1
+    dtype: DType = "fp32"
+
+    def validate(self) -> None:
+        if not 0.0 <= self.eps_ls < 1.0:
+            raise ConfigError(f"train.eps_ls must be in [0, 1), got {self.eps_ls}")
+        for name in ("warmup_steps", "max_tokens", "update_freq", "max_steps", "keep_last",
+                     "valid_interval_steps", "log_interval_steps", "max_len"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"train.{name} must be > 0, got {getattr(self, name)}")
+        for name in ("lr_scale", "adam_eps"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"train.{name} must be > 0, got {getattr(self, name)}")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"train.{name} must be in [0, 1), got {getattr(self, name)}")
+        for name in ("max_minutes", "clip_norm", "save_interval_steps", "save_interval_minutes"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_len_ratio < 1.0:
+            raise ConfigError(f"train.max_len_ratio must be >= 1, got {self.max_len_ratio}")
+        if self.dtype not in ("fp32", "bf16"):
+            raise ConfigError(f"train.dtype must be 'fp32' or 'bf16', got {self.dtype!r}")
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Inference (section 6.1): beam 4, alpha 0.6, output length <= input length + 50."""
+
+    beam: int = 4
+    alpha: float = 0.6  # GNMT length penalty ((5 + |Y|) / 6) ** alpha
+    max_len_a: float = 1.0  # max output length = max_len_a * input length + max_len_b
+    max_len_b: int = 50
+    nbest: int = 1
+    max_tokens: int = 4000  # source tokens per decoding batch
+    max_input_len: int = 1000  # longer inputs are truncated, with a warning naming the line
+
+    def validate(self) -> None:
+        if self.beam < 1:
+            raise ConfigError(f"decode.beam must be >= 1, got {self.beam}")
+        if self.alpha < 0:
+            raise ConfigError(f"decode.alpha must be >= 0, got {self.alpha}")
+        if not 1 <= self.nbest <= self.beam:
+            raise ConfigError(f"decode.nbest must be in [1, beam={self.beam}], got {self.nbest}")
+        if self.max_len_a < 0 or self.max_len_b < 1:
+            raise ConfigError("decode.max_len_a must be >= 0 and decode.max_len_b >= 1")
+        if self.max_tokens < 1 or self.max_input_len < 1:
+            raise ConfigError("decode.max_tokens and decode.max_input_len must be >= 1")
+
+
+@dataclass(frozen=True)
+class Config:
+    """A preset: model and training settings together, since Table 3 row D changes eps_ls."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+
+    def validate(self) -> Config:
+        self.model.validate()
+        self.train.validate()
+        self.decode.validate()
+        return self
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """Plain dict of plain values: stored in checkpoints (loadable with weights_only)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, dict[str, Any]]) -> Config:
+        sections = {f.name: f.type for f in fields(cls)}
+        unknown = set(d) - set(sections)
+        if unknown:
+            raise ConfigError(f"unknown config section(s): {sorted(unknown)}")
+        kwargs = {name: _SECTION_TYPES[name](**d.get(name, {})) for name in sections}
+        return cls(**kwargs).validate()
+
+
+_SECTION_TYPES: dict[str, type] = {"model": ModelConfig, "train": TrainConfig,
+                                   "decode": DecodeConfig}
+
+_BASE = Config()
+
+
+def _row(**model: Any) -> Config:
+    return replace(_BASE, model=replace(_BASE.model, **model))
+
+
+def _row_train(**train: Any) -> Config:
+    return replace(_BASE, train=replace(_BASE.train, **train))
+
+
+#: Presets: the paper's base and big, a CPU-sized tiny, and each Table 3 row as a change of base.
+PRESETS: dict[str, Config] = {
+    "base": _BASE,
+    "big": Config(
+        model=ModelConfig(d_model=1024, d_ff=4096, h=16, P_drop=0.3),
+        train=replace(_BASE.train, max_steps=300_000),
+    ),
+    # Small enough to train on Multi30k on a 2-core CPU (not in the paper).
+    "tiny": Config(
+        model=ModelConfig(N=3, d_model=256, d_ff=1024, h=4, d_k=64, d_v=64, P_drop=0.1),
+        train=replace(_BASE.train, warmup_steps=1000, max_tokens=4096, max_steps=10_000),
+    ),
+    # (A) number of heads at constant compute
+    "A1": _row(h=1, d_k=512, d_v=512),
+    "A2": _row(h=4, d_k=128, d_v=128),
+    "A3": _row(h=16, d_k=32, d_v=32),
+    "A4": _row(h=32, d_k=16, d_v=16),
+    # (B) attention key size
+    "B1": _row(d_k=16),
+    "B2": _row(d_k=32),
+    # (C) model size; the paper's row C has seven lines
+    "C1": _row(N=2),
+    "C2": _row(N=4),
+    "C3": _row(N=8),
+    "C4": _row(d_model=256, d_k=32, d_v=32),
+    "C5": _row(d_model=1024, d_k=128, d_v=128),
+    "C6": _row(d_ff=1024),
+    "C7": _row(d_ff=4096),
+    # (D) regularisation
+    "D1": _row(P_drop=0.0),
+    "D2": _row(P_drop=0.2),
+    "D3": _row_train(eps_ls=0.0),
+    "D4": _row_train(eps_ls=0.2),
+    # (E) learned positional embedding instead of sinusoids
+    "E": _row(positional="learned"),
+}
+
+
+def get_preset(name: str) -> Config:
+    """Return a preset by name; an unknown name is an error naming the closest one."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}{_did_you_mean(name, PRESETS)}; "
+                          f"choose from {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+def _did_you_mean(key: str, candidates: Any) -> str:
+    close = difflib.get_close_matches(key, list(candidates), n=1, cutoff=0.5)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _all_keys() -> dict[str, tuple[str, type]]:
+    """Every settable key, both as 'section.name' and, where unambiguous, as bare 'name'."""
+    keys: dict[str, tuple[str, type]] = {}
+    bare: dict[str, list[str]] = {}
+    for section, typ in _SECTION_TYPES.items():
+        for f in fields(typ):
+            keys[f"{section}.{f.name}"] = (section, typ)
+            bare.setdefault(f.name, []).append(section)
+    for name, sections in bare.items():
+        if len(sections) == 1:
+            keys[name] = (sections[0], _SECTION_TYPES[sections[0]])
+    return keys
+
+
+def _coerce(key: str, current: Any, value: Any) -> Any:
+    """Turn a TOML or command-line value into the type of the field it replaces."""
+    if isinstance(current, bool):
+        if isinstance(value, bool):
+            return value
+        if str(value).lower() in ("true", "1", "yes"):
+            return True
+        if str(value).lower() in ("false", "0", "no"):
+            return False
+        raise ConfigError(f"{key} must be true or false, got {value!r}")
+    try:
+        if isinstance(current, int):
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(value)
+        if isinstance(current, float):
+            return float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key} must be a {type(current).__name__}, got {value!r}") from None
+    return str(value)
+
+
+def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
+    """Apply `key=value` overrides (keys 'section.name' or a bare unambiguous 'name').
+
+    Raises:
+        ConfigError: for an unknown key (naming the closest valid one) or a bad value.
+    """
+    keys = _all_keys()
+    sections: dict[str, dict[str, Any]] = {}
+    for key, value in overrides.items():
+        if key not in keys:
+            raise ConfigError(f"unknown config key {key!r}{_did_you_mean(key, keys)}")
+        section, _ = keys[key]
+        name = key.split(".")[-1]
+        current = getattr(getattr(cfg, section), name)
+        sections.setdefault(section, {})[name] = _coerce(key, current, value)
+    new = cfg
+    for section, values in sections.items():
+        new = replace(new, **{section: replace(getattr(new, section), **values)})
+    return new.validate()
+
+
+def parse_set_args(items: list[str]) -> dict[str, str]:
+    """Parse `--set key=value` strings."""
+    out: dict[str, str] = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"--set expects key=value, got {item!r}")
+        key, value = item.split("=", 1)
+        out[key.strip()] = value.strip()
+    return out
+
+
+def load_experiment(path: str | Path) -> tuple[Config, dict[str, Any]]:
+    """Read an experiment file: `preset = "tiny"` plus [model]/[train]/[decode] overrides.
+
+    Returns the resolved config and the file's other top-level tables (e.g. [recipe]).
+    """
+    path = Path(path)
+    try:
+        doc = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    cfg = get_preset(str(doc.pop("preset", "base")))
+    overrides: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
+    for key, value in doc.items():
+        if key in _SECTION_TYPES and isinstance(value, dict):
+            overrides.update({f"{key}.{k}": v for k, v in value.items()})
+        elif isinstance(value, dict):
+            extra[key] = value
+        else:
+            raise ConfigError(f"{path}: unknown top-level key {key!r}"
+                              f"{_did_you_mean(key, [*_SECTION_TYPES, 'preset'])}")
+    try:
+        return apply_overrides(cfg, overrides), extra
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None

@@ -1,0 +1,347 @@
+"""The Transformer (section 3 of "Attention Is All You Need"), in the paper's order.
+
+Shape letters used in comments:
+    B batch, S source length, T target length, D d_model, H heads (h),
+    K d_k, Vd d_v, F d_ff, V vocabulary size.
+
+Mask convention (one, everywhere): boolean tensors, True = "may attend".
+Everything is batch-first. Token id 0 is padding (config.PAD_ID).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from aiayn.config import PAD_ID, ModelConfig
+
+# --------------------------------------------------------------------------- 3.2.1
+# Scaled dot-product attention, Eq. 1: softmax(Q K^T / sqrt(d_k)) V
+
+
+def scaled_dot_product_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, *,
+    causal: bool = False, dropout_p: float = 0.0,
+) -> Tensor:
+    """Eq. 1, through PyTorch's fused kernel, which computes exactly this formula.
+
+    Args:
+        q: (B, H, Tq, K) queries. k: (B, H, Tk, K) keys. v: (B, H, Tk, Vd) values.
+        mask: boolean, broadcastable to (B, H, Tq, Tk), True = may attend. Illegal
+            connections get -inf before the softmax (section 3.2.3).
+        causal: also forbid attending to later positions (decoder self-attention).
+    Returns:
+        (B, H, Tq, Vd).
+    """
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                          is_causal=causal and mask is None)
+
+
+def attention_weights(q: Tensor, k: Tensor, mask: Tensor | None = None) -> Tensor:
+    """The softmax of Eq. 1 itself, for analysis and pictures: (B, H, Tq, Tk)."""
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(dim=-1)
+
+
+# --------------------------------------------------------------------------- 3.2.2
+class MultiHeadAttention(nn.Module):
+    """MultiHead(Q, K, V) = Concat(head_1..head_h) W^O, head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V).
+
+    The h per-head projections are stored as one matrix each (W^Q: D x h*K, ...); for
+    self-attention Q, K and V come from one fused matrix, which is the same parameters laid
+    side by side and one matrix product instead of three. No biases: the paper's formula has
+    none (tensor2tensor agrees).
+    """
+
+    def __init__(self, d_model: int, h: int, d_k: int, d_v: int, *, self_attention: bool,
+                 dropout: float = 0.0) -> None:
+        super().__init__()
+        self.h, self.d_k, self.d_v, self.dropout = h, d_k, d_v, dropout
+        self.self_attention = self_attention
+        if self_attention:
+            self.w_qkv = nn.Linear(d_model, h * (2 * d_k + d_v), bias=False)
+        else:
+            self.w_q = nn.Linear(d_model, h * d_k, bias=False)
+            self.w_kv = nn.Linear(d_model, h * (d_k + d_v), bias=False)
+        self.w_o = nn.Linear(h * d_v, d_model, bias=False)
+        self.record_weights = False  # set to keep the last attention weights (for pictures)
+        self.last_weights: Tensor | None = None
+
+    def _split(self, x: Tensor, d: int) -> Tensor:
+        # (B, T, H*d) -> (B, H, T, d)
+        return x.unflatten(-1, (self.h, d)).transpose(1, 2)
+
+    def project_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys and values of the encoder output, computed once per sentence when decoding."""
+        k, v = self.w_kv(memory).split([self.h * self.d_k, self.h * self.d_v], dim=-1)
+        return self._split(k, self.d_k), self._split(v, self.d_v)
+
+    def forward(self, x: Tensor, memory: Tensor | None = None, mask: Tensor | None = None,
+                *, causal: bool = False, kv: tuple[Tensor, Tensor] | None = None,
+                cache: KVCache | None = None) -> Tensor:
+        """Attend from x (B, Tq, D) to itself, or to `memory` (B, Tk, D) / precomputed `kv`.
+
+        `cache` (self-attention, incremental decoding): the new keys/values are appended to
+        it and attention covers everything cached so far.
+        """
+        if self.self_attention:
+            q, k, v = self.w_qkv(x).split(
+                [self.h * self.d_k, self.h * self.d_k, self.h * self.d_v], dim=-1)
+            q, k, v = self._split(q, self.d_k), self._split(k, self.d_k), self._split(v, self.d_v)
+            if cache is not None:
+                k, v = cache.append(k, v)
+                causal = causal and q.size(2) > 1  # a single new query may see all the past
+        else:
+            q = self._split(self.w_q(x), self.d_k)
+            k, v = kv if kv is not None else self.project_kv(memory)  # type: ignore[arg-type]
+        if self.record_weights:
+            m = mask
+            if causal:
+                tri = torch.ones(q.size(2), k.size(2), dtype=torch.bool, device=q.device).tril()
+                m = tri if m is None else m & tri
+            self.last_weights = attention_weights(q, k, m).detach()
+        p = self.dropout if self.training else 0.0
+        out = scaled_dot_product_attention(q, k, v, mask, causal=causal, dropout_p=p)
+        # (B, H, Tq, Vd) -> (B, Tq, H*Vd)
+        return self.w_o(out.transpose(1, 2).flatten(2))
+
+
+class KVCache:
+    """Self-attention keys and values of the tokens decoded so far, preallocated once."""
+
+    def __init__(self, batch: int, h: int, d_k: int, d_v: int, max_len: int,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        self.k = torch.empty(batch, h, max_len, d_k, device=device, dtype=dtype)
+        self.v = torch.empty(batch, h, max_len, d_v, device=device, dtype=dtype)
+        self.length = 0
+
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        t = k.size(2)
+        self.k[:, :, self.length:self.length + t] = k
+        self.v[:, :, self.length:self.length + t] = v
+        self.length += t
+        return self.k[:, :, :self.length], self.v[:, :, :self.length]
+
+    def reorder(self, index: Tensor) -> None:
+        """Keep the rows `index` (beam search reordering), in place of the old ones."""
+        self.k = self.k.index_select(0, index)
+        self.v = self.v.index_select(0, index)
+
+
+# --------------------------------------------------------------------------- 3.3
+class PositionwiseFeedForward(nn.Module):
+    """FFN(x) = max(0, x W1 + b1) W2 + b2 (Eq. 2)."""
+
+    def __init__(self, d_model: int, d_ff: int, relu_dropout: float = 0.0) -> None:
+        super().__init__()
+        self.w_1 = nn.Linear(d_model, d_ff)
+        self.w_2 = nn.Linear(d_ff, d_model)
+        self.relu_dropout = nn.Dropout(relu_dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w_2(self.relu_dropout(torch.relu(self.w_1(x))))
+
+
+# --------------------------------------------------------------------------- 3.1
+class EncoderLayer(nn.Module):
+    """Self-attention then FFN, each as LayerNorm(x + Dropout(Sublayer(x))) (post-norm)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.h, cfg.d_k, cfg.d_v,
+                                            self_attention=True, dropout=cfg.attn_dropout)
+        self.ffn = PositionwiseFeedForward(cfg.d_model, cfg.d_ff, cfg.relu_dropout)
+        self.norm1 = nn.LayerNorm(cfg.d_model)
+        self.norm2 = nn.LayerNorm(cfg.d_model)
+        self.dropout = nn.Dropout(cfg.P_drop)
+
+    def forward(self, x: Tensor, src_mask: Tensor) -> Tensor:
+        x = self.norm1(x + self.dropout(self.self_attn(x, mask=src_mask)))
+        return self.norm2(x + self.dropout(self.ffn(x)))
+
+
+@dataclass
+class LayerState:
+    """Incremental state of one decoder layer: its self-attention cache and the encoder K/V."""
+
+    self_cache: KVCache
+    memory_kv: tuple[Tensor, Tensor]
+
+    def reorder(self, index: Tensor) -> None:
+        self.self_cache.reorder(index)
+        k, v = self.memory_kv
+        self.memory_kv = (k.index_select(0, index), v.index_select(0, index))
+
+
+class DecoderLayer(nn.Module):
+    """Masked self-attention, encoder-decoder attention, FFN; each post-norm."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.h, cfg.d_k, cfg.d_v,
+                                            self_attention=True, dropout=cfg.attn_dropout)
+        self.cross_attn = MultiHeadAttention(cfg.d_model, cfg.h, cfg.d_k, cfg.d_v,
+                                             self_attention=False, dropout=cfg.attn_dropout)
+        self.ffn = PositionwiseFeedForward(cfg.d_model, cfg.d_ff, cfg.relu_dropout)
+        self.norm1 = nn.LayerNorm(cfg.d_model)
+        self.norm2 = nn.LayerNorm(cfg.d_model)
+        self.norm3 = nn.LayerNorm(cfg.d_model)
+        self.dropout = nn.Dropout(cfg.P_drop)
+
+    def forward(self, y: Tensor, memory: Tensor, src_mask: Tensor,
+                state: LayerState | None = None) -> Tensor:
+        cache = state.self_cache if state is not None else None
+        kv = state.memory_kv if state is not None else None
+        y = self.norm1(y + self.dropout(self.self_attn(y, causal=True, cache=cache)))
+        y = self.norm2(y + self.dropout(self.cross_attn(y, memory, src_mask, kv=kv)))
+        return self.norm3(y + self.dropout(self.ffn(y)))
+
+
+# --------------------------------------------------------------------------- 3.5
+def sinusoidal_positions(n_positions: int, d_model: int) -> Tensor:
+    """PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(same): (P, D)."""
+    pos = torch.arange(n_positions, dtype=torch.float64).unsqueeze(1)
+    div = torch.pow(10000.0, torch.arange(0, d_model, 2, dtype=torch.float64) / d_model)
+    pe = torch.zeros(n_positions, d_model, dtype=torch.float64)
+    pe[:, 0::2] = torch.sin(pos / div)
+    pe[:, 1::2] = torch.cos(pos / div)
+    return pe.float()
+
+
+class Embeddings(nn.Module):
+    """Token embedding x sqrt(d_model) + positional encoding, then dropout (sections 3.4, 3.5, 5.4)."""
+
+    def __init__(self, cfg: ModelConfig, token: nn.Embedding) -> None:
+        super().__init__()
+        self.token = token
+        self.scale = math.sqrt(cfg.d_model)
+        self.learned: nn.Embedding | None = None
+        if cfg.positional == "learned":
+            self.learned = nn.Embedding(cfg.max_positions, cfg.d_model)
+            nn.init.normal_(self.learned.weight, std=cfg.d_model**-0.5)
+        else:
+            self.register_buffer("pe", sinusoidal_positions(cfg.max_positions, cfg.d_model),
+                                 persistent=False)
+        self.dropout = nn.Dropout(cfg.P_drop)
+        self.max_positions = cfg.max_positions
+
+    def forward(self, tokens: Tensor, offset: int = 0) -> Tensor:
+        """tokens (B, T) at positions offset..offset+T-1 -> (B, T, D)."""
+        t = tokens.size(1)
+        if offset + t > self.max_positions:
+            raise ValueError(f"sequence of length {offset + t} exceeds max_positions="
+                             f"{self.max_positions}")
+        if self.learned is not None:
+            pos = self.learned.weight[offset:offset + t]
+        else:
+            pos = self.pe[offset:offset + t]
+        return self.dropout(self.token(tokens) * self.scale + pos)
+
+
+# --------------------------------------------------------------------------- 3
+class Transformer(nn.Module):
+    """Encoder-decoder Transformer. `forward(src, tgt_in)` gives logits (B, T, V)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        cfg.validate()
+        if cfg.vocab_size <= 0:
+            raise ValueError("ModelConfig.vocab_size must be set (it comes from the vocabulary)")
+        self.cfg = cfg
+        emb = nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=PAD_ID)
+        self.src_embed = Embeddings(cfg, emb)
+        tgt_emb = emb if cfg.share_embeddings else nn.Embedding(cfg.vocab_size, cfg.d_model,
+                                                                padding_idx=PAD_ID)
+        self.tgt_embed = Embeddings(cfg, tgt_emb)
+        self.encoder = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.N))
+        self.decoder = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.N))
+        self.generator = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self._init_parameters()
+        if cfg.share_embeddings:
+            self.generator.weight = emb.weight  # the pre-softmax projection is the embedding
+
+    def _init_parameters(self) -> None:
+        # tensor2tensor: Glorot-uniform matrices, N(0, d_model^-0.5) embeddings so that the
+        # sqrt(d_model) scaling brings them to unit size; the padding row is zero.
+        for name, p in self.named_parameters():
+            if p.dim() == 2 and "embed" not in name:
+                nn.init.xavier_uniform_(p)
+        for emb in {self.src_embed.token, self.tgt_embed.token}:
+            nn.init.normal_(emb.weight, std=self.cfg.d_model**-0.5)
+            with torch.no_grad():
+                emb.weight[PAD_ID].zero_()
+
+    @staticmethod
+    def src_mask(src: Tensor) -> Tensor:
+        """(B, S) -> (B, 1, 1, S) boolean, True at real tokens: every query may attend there."""
+        return (src != PAD_ID)[:, None, None, :]
+
+    def encode(self, src: Tensor) -> tuple[Tensor, Tensor]:
+        """src (B, S) -> memory (B, S, D) and its mask (B, 1, 1, S)."""
+        mask = self.src_mask(src)
+        x = self.src_embed(src)
+        for layer in self.encoder:
+            x = layer(x, mask)
+        return x, mask
+
+    def decode(self, tgt_in: Tensor, memory: Tensor, src_mask: Tensor) -> Tensor:
+        """Teacher-forced decoder: tgt_in (B, T) -> logits (B, T, V).
+
+        Target padding needs no mask: it only ever follows real tokens, and the causal mask
+        already keeps every real position from seeing later ones.
+        """
+        y = self.tgt_embed(tgt_in)
+        for layer in self.decoder:
+            y = layer(y, memory, src_mask)
+        return self.generator(y)
+
+    def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
+        memory, mask = self.encode(src)
+        return self.decode(tgt_in, memory, mask)
+
+    # -- incremental decoding (section 6.1 inference) ---------------------------------
+    def init_state(self, memory: Tensor, max_len: int) -> list[LayerState]:
+        """Per-layer state for incremental decoding: encoder K/V once, empty self caches."""
+        b = memory.size(0)
+        states = []
+        for layer in self.decoder:
+            cache = KVCache(b, self.cfg.h, self.cfg.d_k, self.cfg.d_v, max_len,
+                            memory.device, memory.dtype)
+            states.append(LayerState(cache, layer.cross_attn.project_kv(memory)))
+        return states
+
+    def decode_step(self, tokens: Tensor, src_mask: Tensor,
+                    states: list[LayerState]) -> Tensor:
+        """One step: the newest tokens (B, 1) -> logits for the next token (B, V).
+
+        Equals the last row of `decode` on the whole prefix (tested), at O(T) cost per step.
+        """
+        offset = states[0].self_cache.length
+        y = self.tgt_embed(tokens, offset=offset)
+        for layer, state in zip(self.decoder, states, strict=True):
+            y = layer(y, None, src_mask, state)  # type: ignore[arg-type]
+        return self.generator(y[:, -1])
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Trainable parameters, each shared tensor counted once."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def parameter_formula(cfg: ModelConfig) -> int:
+    """Closed-form parameter count of `Transformer(cfg)`, from the shapes in section 3."""
+    D, V = cfg.d_model, cfg.vocab_size
+    attn = D * cfg.h * (2 * cfg.d_k + cfg.d_v) + cfg.h * cfg.d_v * D
+    ffn = D * cfg.d_ff + cfg.d_ff + cfg.d_ff * D + D
+    norm = 2 * D
+    enc_layer = attn + ffn + 2 * norm
+    dec_layer = 2 * attn + ffn + 3 * norm
+    embeddings = V * D if cfg.share_embeddings else 3 * V * D
+    positions = cfg.max_positions * D * 2 if cfg.positional == "learned" else 0
+    return embeddings + positions + cfg.N * (enc_layer + dec_layer)
