@@ -1,0 +1,412 @@
+"""Training (section 5): label-smoothed loss, Adam with the warmup schedule (Eq. 3), the loop.
+
+The loop is deterministic: batches come from (seed, epoch) alone and dropout is reseeded
+from (seed, step, rank) before every update, so a run resumed from a checkpoint repeats
+an uninterrupted one exactly (fairseq does the same).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import signal
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from aiayn import checkpoint as ckpt_lib
+from aiayn.batching import Batch, collate, token_batches
+from aiayn.config import PAD_ID, Config, ModelConfig, TrainConfig
+from aiayn.data import Corpus, load_corpus, load_manifest
+from aiayn.files import sha256_file, write_text_atomic
+from aiayn.model import Transformer, count_parameters
+from aiayn.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+#: Settings that may change when a run is resumed; anything else must match the checkpoint.
+RESUMABLE_CHANGES = {"max_steps", "max_minutes", "save_interval_steps", "save_interval_minutes",
+                     "keep_last", "valid_interval_steps", "log_interval_steps"}
+OPTIMIZER_KEYS = {"warmup_steps", "lr_scale", "beta1", "beta2", "adam_eps", "clip_norm", "eps_ls",
+                  "dtype"}
+DATALOADER_KEYS = {"max_tokens", "update_freq", "seed", "max_len", "max_len_ratio"}
+MAX_CONSECUTIVE_NONFINITE = 5
+
+
+class TrainingError(RuntimeError):
+    """Training cannot start or continue; the message says why and what to do."""
+
+
+# --------------------------------------------------------------------------- 5.3
+def learning_rate(step: int, d_model: int, warmup_steps: int, scale: float = 1.0) -> float:
+    """Eq. 3: lrate = d_model^-0.5 * min(step^-0.5, step * warmup_steps^-1.5), steps from 1."""
+    step = max(step, 1)
+    return scale * d_model**-0.5 * min(step**-0.5, step * warmup_steps**-1.5)
+
+
+def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Adam:
+    """Adam with beta1 = 0.9, beta2 = 0.98, eps = 1e-9 (section 5.3); lr is set every step."""
+    return torch.optim.Adam(model.parameters(), lr=0.0, betas=(cfg.beta1, cfg.beta2),
+                            eps=cfg.adam_eps)
+
+
+# --------------------------------------------------------------------------- 5.4
+def label_smoothed_loss(logits: Tensor, target: Tensor, eps_ls: float) -> tuple[Tensor, Tensor]:
+    """Cross-entropy against (1 - eps_ls) * one-hot + eps_ls * uniform (Szegedy et al. 2016).
+
+    Args:
+        logits: (B, T, V). target: (B, T) with PAD_ID at padding, which is ignored.
+    Returns:
+        (smoothed loss, plain NLL), both summed over the non-pad tokens, in float32.
+    """
+    logits = logits.float().flatten(0, 1)
+    target = target.flatten()
+    loss = F.cross_entropy(logits, target, ignore_index=PAD_ID, reduction="sum",
+                           label_smoothing=eps_ls)
+    with torch.no_grad():
+        nll = loss if eps_ls == 0 else F.cross_entropy(logits, target, ignore_index=PAD_ID,
+                                                       reduction="sum")
+    return loss, nll
+
+
+# --------------------------------------------------------------------------- the loop
+@dataclass
+class TrainState:
+    """Counters saved in every checkpoint: where the run is, in steps, epochs and data."""
+
+    step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0  # batches of this epoch already consumed
+    nonfinite_skipped: int = 0
+    best_valid_nll: float = math.inf
+    train_seconds: float = 0.0
+    tokens_seen: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class Hooks:
+    """Callbacks for the CLI (progress bars); the library itself only logs."""
+
+    on_step: Callable[[int, dict[str, float]], None] | None = None
+    on_valid: Callable[[int, dict[str, float]], None] | None = None
+
+
+@dataclass
+class TrainResult:
+    state: TrainState
+    run_dir: Path
+    last_checkpoint: Path | None
+    history: list[dict[str, Any]] = field(default_factory=list)
+    stopped_by: str = "max_steps"
+
+
+def build_model(cfg: ModelConfig, vocab_size: int) -> Transformer:
+    from dataclasses import replace
+
+    return Transformer(replace(cfg, vocab_size=vocab_size))
+
+
+def _config_diff(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    return {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new))
+            if old.get(k) != new.get(k)}
+
+
+def check_resume_compatible(saved: dict[str, Any], cfg: Config, *, reset_optimizer: bool,
+                            reset_dataloader: bool) -> None:
+    """Refuse to resume with different settings, listing the differing keys (fairseq-style)."""
+    model_diff = _config_diff(saved["config"]["model"], cfg.to_dict()["model"])
+    if model_diff:
+        raise TrainingError("cannot resume: the model differs from the checkpoint's: " +
+                            ", ".join(f"model.{k}: {a} -> {b}" for k, (a, b) in model_diff.items())
+                            + " (start a new run directory instead)")
+    train_diff = _config_diff(saved["config"]["train"], cfg.to_dict()["train"])
+    blocked = {k: v for k, v in train_diff.items() if k not in RESUMABLE_CHANGES
+               and not (k in OPTIMIZER_KEYS and reset_optimizer)
+               and not (k in DATALOADER_KEYS and reset_dataloader)}
+    if blocked:
+        raise TrainingError(
+            "cannot resume: settings differ from the checkpoint's: " +
+            ", ".join(f"train.{k}: {a} -> {b}" for k, (a, b) in blocked.items()) +
+            " (pass --reset-optimizer for optimizer/schedule keys, --reset-dataloader for "
+            "batching/data keys)")
+
+
+def _seed_step(seed: int, step: int, rank: int = 0, world_size: int = 1) -> None:
+    # Dropout masks depend only on (seed, step, rank): resumed runs repeat exactly.
+    torch.manual_seed(seed * 1_000_003 + step * world_size + rank)
+
+
+def _batches_from(corpus: Corpus, cfg: TrainConfig, epoch: int, start: int
+                  ) -> Iterator[tuple[int, Batch]]:
+    order = token_batches(corpus.src_lens, corpus.tgt_lens, cfg.max_tokens, seed=cfg.seed,
+                          epoch=epoch)
+    for i in range(start, len(order)):
+        yield i, collate(corpus, order[i])
+
+
+@torch.no_grad()
+def validate(model: Transformer, corpus: Corpus, max_tokens: int, device: torch.device,
+             dtype: str = "fp32") -> dict[str, float]:
+    """Validation NLL per target token and perplexity (unsmoothed, as the paper reports)."""
+    was_training = model.training
+    model.eval()
+    nll_sum, n_tok = 0.0, 0
+    for idx in token_batches(corpus.src_lens, corpus.tgt_lens, max_tokens, seed=0, epoch=0,
+                             shuffle=False):
+        b = collate(corpus, idx).to(device)
+        with _autocast(device, dtype):
+            logits = model(b.src, b.tgt_in)
+        _, nll = label_smoothed_loss(logits, b.tgt_out, 0.0)
+        nll_sum += float(nll)
+        n_tok += b.tgt_tokens
+    model.train(was_training)
+    nll = nll_sum / max(n_tok, 1)
+    return {"valid_nll": nll, "valid_ppl": math.exp(min(nll, 50.0))}
+
+
+def _autocast(device: torch.device, dtype: str) -> Any:
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16")
+
+
+class _StopSignal:
+    """SIGTERM/SIGINT: finish the current step, save, then stop (Marian --sigterm save-and-exit)."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self) -> _StopSignal:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._old[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread
+                pass
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.received is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C stops at once
+        self.received = signum
+        log.warning("received %s: finishing this step, saving, then stopping",
+                    signal.Signals(signum).name)
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+
+
+class Trainer:
+    """One training run in one directory: builds or resumes everything, then `run()`s."""
+
+    def __init__(self, cfg: Config, data_dir: str | Path, run_dir: str | Path, *,
+                 device: str = "cpu", reset_optimizer: bool = False,
+                 reset_dataloader: bool = False, hooks: Hooks | None = None) -> None:
+        self.data_dir, self.run_dir = Path(data_dir), Path(run_dir)
+        self.device = torch.device(device)
+        self.hooks = hooks or Hooks()
+        self.manifest = load_manifest(self.data_dir)
+        self.tokenizer = Tokenizer.load(self.data_dir / "spm.model")
+        from dataclasses import replace
+
+        self.cfg = replace(cfg, model=replace(cfg.model, vocab_size=self.tokenizer.vocab_size))
+        self.cfg.validate()
+        self.train_data = load_corpus(self.data_dir, "train")
+        valid_path = self.data_dir / "valid.pt"
+        self.valid_data = load_corpus(self.data_dir, "valid") if valid_path.exists() else None
+        self.data_sha256 = sha256_file(self.data_dir / "train.pt")
+        ckpt_lib.check_run_dir(self.run_dir)
+        self.model = Transformer(self.cfg.model).to(self.device)
+        self.optimizer = make_optimizer(self.model, self.cfg.train)
+        self.state = TrainState()
+        self.resumed_from: Path | None = None
+        self._resume(reset_optimizer, reset_dataloader)
+
+    def _resume(self, reset_optimizer: bool, reset_dataloader: bool) -> None:
+        found = ckpt_lib.latest_valid_checkpoint(self.run_dir)
+        if found is None:
+            return
+        path, saved = found
+        check_resume_compatible(saved, self.cfg, reset_optimizer=reset_optimizer,
+                                reset_dataloader=reset_dataloader)
+        if saved.get("vocab_sha256") != self.tokenizer.sha256:
+            raise TrainingError(f"cannot resume from {path}: its vocabulary differs from "
+                                f"{self.data_dir / 'spm.model'}")
+        if saved.get("data_sha256") != self.data_sha256 and not reset_dataloader:
+            raise TrainingError(f"cannot resume from {path}: the training data "
+                                f"{self.data_dir / 'train.pt'} changed since it was written "
+                                "(pass --reset-dataloader to start a new epoch on the new data)")
+        self.model.load_state_dict(saved["model"])
+        if not reset_optimizer:
+            self.optimizer.load_state_dict(saved["optimizer"])
+        self.state = TrainState(**saved["train_state"])
+        if reset_dataloader:
+            self.state.epoch, self.state.batch_in_epoch = self.state.epoch + 1, 0
+        self.resumed_from = path
+        log.info("resumed from %s: step %d, epoch %d, batch %d of the epoch, lr %.3g, best "
+                 "valid nll %.4f", path, self.state.step, self.state.epoch,
+                 self.state.batch_in_epoch, self.lr(self.state.step + 1),
+                 self.state.best_valid_nll)
+
+    def lr(self, step: int) -> float:
+        t = self.cfg.train
+        return learning_rate(step, self.cfg.model.d_model, t.warmup_steps, t.lr_scale)
+
+    def _batch_stream(self) -> Iterator[tuple[int, int, Batch]]:
+        epoch, start = self.state.epoch, self.state.batch_in_epoch
+        while True:
+            for i, batch in _batches_from(self.train_data, self.cfg.train, epoch, start):
+                yield epoch, i + 1, batch
+            epoch, start = epoch + 1, 0
+
+    def checkpoint_dict(self) -> dict[str, Any]:
+        tok = self.tokenizer.to_bytes()
+        return {
+            "format": "aiayn-checkpoint-1", "config": self.cfg.to_dict(),
+            "vocab_sha256": self.tokenizer.sha256,
+            "tokenizer": torch.frombuffer(bytearray(tok), dtype=torch.uint8),
+            "data_sha256": self.data_sha256, "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(), "step": self.state.step,
+            "epoch": self.state.epoch, "train_state": self.state.to_dict(),
+            "rng": {"torch": torch.get_rng_state()},
+        }
+
+    def save(self) -> Path:
+        return ckpt_lib.save_checkpoint(self.run_dir, self.checkpoint_dict(),
+                                        self.cfg.train.keep_last)
+
+    def _update(self, stream: Iterator[tuple[int, int, Batch]]) -> dict[str, float]:
+        """One optimizer step over `update_freq` batches; a non-finite one is skipped."""
+        t = self.cfg.train
+        step = self.state.step + 1
+        _seed_step(t.seed, step)
+        loss_sum, nll_sum, src_tok, tgt_tok = 0.0, 0.0, 0, 0
+        for _ in range(t.update_freq):
+            epoch, pos, batch = next(stream)
+            batch = batch.to(self.device)
+            with _autocast(self.device, t.dtype):
+                logits = self.model(batch.src, batch.tgt_in)
+            loss, nll = label_smoothed_loss(logits, batch.tgt_out, t.eps_ls)
+            loss.backward()
+            loss_sum += float(loss)
+            nll_sum += float(nll)
+            src_tok += batch.src_tokens
+            tgt_tok += batch.tgt_tokens
+            self.state.epoch, self.state.batch_in_epoch = epoch, pos
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        for g in grads:
+            g.div_(max(tgt_tok, 1))  # the loss is a mean over the update's target tokens
+        gnorm = float(torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), t.clip_norm if t.clip_norm > 0 else math.inf))
+        stats = {"loss": loss_sum / max(tgt_tok, 1), "nll": nll_sum / max(tgt_tok, 1),
+                 "lr": self.lr(step), "gnorm": gnorm, "src_tokens": src_tok,
+                 "tgt_tokens": tgt_tok}
+        if not (math.isfinite(loss_sum) and math.isfinite(gnorm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            self.state.nonfinite_skipped += 1
+            stats["skipped"] = 1.0
+            return stats
+        for group in self.optimizer.param_groups:
+            group["lr"] = stats["lr"]
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.state.step = step
+        self.state.tokens_seen += src_tok + tgt_tok
+        return stats
+
+    def _log(self, record: dict[str, Any]) -> None:
+        with open(self.run_dir / "train_log.jsonl", "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def _validate(self) -> dict[str, float]:
+        if self.valid_data is None:
+            return {}
+        t = self.cfg.train
+        metrics = validate(self.model, self.valid_data, t.max_tokens, self.device, t.dtype)
+        self.state.best_valid_nll = min(self.state.best_valid_nll, metrics["valid_nll"])
+        self._log({"step": self.state.step, "time": self.state.train_seconds, **metrics})
+        log.info("step %d: valid nll %.4f, ppl %.2f", self.state.step, metrics["valid_nll"],
+                 metrics["valid_ppl"])
+        if self.hooks.on_valid:
+            self.hooks.on_valid(self.state.step, metrics)
+        return metrics
+
+    def run(self) -> TrainResult:
+        """Train until max_steps or max_minutes, saving and validating at intervals."""
+        t = self.cfg.train
+        result = TrainResult(self.state, self.run_dir, None)
+        if self.state.step >= t.max_steps:
+            log.warning("already at step %d >= max_steps %d: nothing to do", self.state.step,
+                        t.max_steps)
+            result.stopped_by = "already_done"
+            return result
+        write_text_atomic(self.run_dir / "config.json",
+                          json.dumps(self.cfg.to_dict(), indent=2) + "\n")
+        log.info("model: %d parameters; %d training pairs; effective batch ~%d tokens per "
+                 "side x %d accumulation", count_parameters(self.model), len(self.train_data),
+                 t.max_tokens, t.update_freq)
+        self.model.train()
+        stream = self._batch_stream()
+        last_save = time.monotonic()
+        consecutive_bad = 0
+        with ckpt_lib.RunLock(self.run_dir), _StopSignal() as stop:
+            while self.state.step < t.max_steps:
+                t0 = time.perf_counter()
+                stats = self._update(stream)
+                dt = time.perf_counter() - t0
+                self.state.train_seconds += dt
+                stats["tokens_per_s"] = (stats["src_tokens"] + stats["tgt_tokens"]) / dt
+                if "skipped" in stats:
+                    consecutive_bad += 1
+                    log.warning("non-finite loss or gradient at step %d: update skipped "
+                                "(%d so far)", self.state.step + 1, self.state.nonfinite_skipped)
+                    if consecutive_bad >= MAX_CONSECUTIVE_NONFINITE:
+                        raise TrainingError(f"{consecutive_bad} consecutive non-finite updates "
+                                            f"at step {self.state.step + 1}: stopping")
+                    continue
+                consecutive_bad = 0
+                step = self.state.step
+                result.history.append({"step": step, **stats})
+                if self.hooks.on_step:
+                    self.hooks.on_step(step, stats)
+                if step % t.log_interval_steps == 0:
+                    self._log({"step": step, "time": self.state.train_seconds,
+                               "epoch": self.state.epoch, **stats})
+                if step % t.valid_interval_steps == 0:
+                    self._validate()
+                out_of_time = t.max_minutes > 0 and self.state.train_seconds >= 60 * t.max_minutes
+                due = (t.save_interval_steps > 0 and step % t.save_interval_steps == 0) or (
+                    t.save_interval_minutes > 0
+                    and time.monotonic() - last_save >= 60 * t.save_interval_minutes)
+                finished = step >= t.max_steps or out_of_time or stop.received is not None
+                if due or finished:
+                    result.last_checkpoint = self.save()
+                    last_save = time.monotonic()
+                if out_of_time:
+                    result.stopped_by = "max_minutes"
+                    break
+                if stop.received is not None:
+                    result.stopped_by = signal.Signals(stop.received).name
+                    break
+        if result.stopped_by in ("max_steps", "max_minutes") and (
+                self.state.step % t.valid_interval_steps):
+            self._validate()
+        return result
+
+
+def train(cfg: Config, data_dir: str | Path, run_dir: str | Path, *, device: str = "cpu",
+          reset_optimizer: bool = False, reset_dataloader: bool = False,
+          hooks: Hooks | None = None) -> TrainResult:
+    """Train (or resume) a model on a prepared data directory; see :class:`Trainer`."""
+    trainer = Trainer(cfg, data_dir, run_dir, device=device, reset_optimizer=reset_optimizer,
+                      reset_dataloader=reset_dataloader, hooks=hooks)
+    return trainer.run()

@@ -1,0 +1,264 @@
+"""Tests for aiayn.translate: line-level promises of the translation command (RELIABILITY F)."""
+
+from __future__ import annotations
+
+import io
+import logging
+import sys
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor
+
+from aiayn.config import EOS_ID, DecodeConfig, ModelConfig
+from aiayn.model import Transformer
+from aiayn.translate import (
+    decode_lines,
+    make_batches,
+    translate_file,
+    translate_lines,
+    translate_nbest,
+)
+
+CFG = DecodeConfig(beam=4, alpha=0.6, max_len_a=1.0, max_len_b=5)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    # Tiny matrices: thread start-up costs more than the work (and machines are shared).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class WordTokenizer:
+    """Fake subword tokenizer: word "w<n>" <-> id n (4 <= n < 40); anything else is UNK."""
+
+    def encode(self, text: str) -> list[int]:
+        ids = []
+        for word in text.split():
+            n = int(word[1:]) if word[:1] == "w" and word[1:].isdigit() else 1
+            ids.append(n if 4 <= n < 40 else 1)
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return " ".join(f"w{i}" if i >= 4 else "<unk>" for i in ids)
+
+
+class EosRamp(Transformer):
+    """A random tiny Transformer nudged towards EOS as the output grows (varied lengths);
+    it counts the sentences it encodes, to check which lines reach the model."""
+
+    encoded = 0
+
+    def encode(self, src: Tensor) -> tuple[Tensor, Tensor]:
+        self.encoded += src.size(0)
+        return super().encode(src)
+
+    def decode_step(self, tokens: Tensor, src_mask: Tensor, states: list) -> Tensor:
+        t = states[0].self_cache.length
+        logits = super().decode_step(tokens, src_mask, states)
+        logits[:, EOS_ID] += 0.5 * t - 3.0
+        return logits
+
+
+@pytest.fixture
+def model() -> EosRamp:
+    torch.manual_seed(1)
+    cfg = ModelConfig(N=2, d_model=32, h=2, d_k=16, d_v=16, d_ff=64, vocab_size=40,
+                      P_drop=0.0, share_embeddings=False)
+    return EosRamp(cfg).eval()
+
+
+TOK = WordTokenizer()
+
+
+def sentences(n: int, seed: int = 0) -> list[str]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 12, (n,), generator=g).tolist()
+    return [" ".join(f"w{i}" for i in torch.randint(4, 40, (k,), generator=g).tolist())
+            for k in lengths]
+
+
+# ------------------------------------------------------------------------- lines
+def test_empty_input_gives_empty_output(model: EosRamp) -> None:
+    """RELIABILITY F1: no input lines -> [] (CTranslate2's choice), the model unused."""
+    assert translate_lines(model, TOK, [], CFG) == []
+    assert model.encoded == 0
+
+
+def test_blank_lines_keep_their_positions_and_skip_the_model(model: EosRamp) -> None:
+    """RELIABILITY F2: empty and whitespace-only lines give "" at their positions and are
+    not fed to the model; the other lines translate as they would alone."""
+    lines = ["w5 w6 w7", "", "   ", "w9 w10\t", "\t", "w33"]
+    out = translate_lines(model, TOK, lines, CFG)
+    assert model.encoded == 3
+    assert [out[i] for i in (1, 2, 4)] == ["", "", ""]
+    assert [out[i] for i in (0, 3, 5)] == translate_lines(model, TOK, [lines[i] for i in (0, 3, 5)],
+                                                          CFG)
+    assert all(out[i] for i in (0, 3, 5))
+
+
+def test_count_and_order_preserved_with_sorted_batching(model: EosRamp) -> None:
+    """RELIABILITY F3: one output per input, in input order, although batches are sorted
+    by length (each line's output equals its output when translated alone)."""
+    lines = sentences(12)
+    out = translate_lines(model, TOK, lines, replace(CFG, max_tokens=30))
+    assert len(out) == len(lines)
+    assert out == [translate_lines(model, TOK, [line], CFG)[0] for line in lines]
+    assert len(set(out)) > len(out) // 2  # outputs differ, so a permutation would show
+
+
+def test_long_line_truncated_with_warning_naming_it(model: EosRamp,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """RELIABILITY F4: a line over max_input_len subwords is truncated, with a warning
+    naming its line number; the other lines are unaffected."""
+    long_line = " ".join(f"w{4 + i % 30}" for i in range(200))
+    lines = ["w5 w6", "w7 w8 w9", long_line, "w10"]
+    cfg = replace(CFG, max_input_len=6)
+    with caplog.at_level(logging.WARNING, logger="aiayn.translate"):
+        nbest, stats = translate_nbest(model, TOK, lines, cfg)
+    assert stats.truncated == 1
+    assert "line 3" in caplog.text and "200 subwords" in caplog.text
+    out = [n[0].text for n in nbest]
+    truncated = " ".join(long_line.split()[:6])
+    assert out == translate_lines(model, TOK, [lines[0], lines[1], truncated, lines[3]], CFG)
+
+
+def test_batch_size_does_not_change_outputs(model: EosRamp) -> None:
+    """RELIABILITY F6 (CPU fp32): batches of 1 sentence, a few, and all give identical
+    output strings."""
+    lines = sentences(20, seed=3)
+    outputs = [translate_lines(model, TOK, lines, replace(CFG, max_tokens=m))
+               for m in (1, 7, 40, 100_000)]
+    assert all(o == outputs[0] for o in outputs[1:])
+
+
+def test_batches_respect_the_token_budget() -> None:
+    """Section 5.1-style batching by source tokens: size x longest <= max_tokens (a longer
+    line alone), longest first, every line exactly once."""
+    lengths = {0: 3, 1: 9, 2: 4, 3: 9, 4: 1, 5: 20}
+    batches = make_batches(lengths, max_tokens=18)
+    assert sorted(i for b in batches for i in b) == list(range(6))
+    assert batches[0] == [5]  # 20 > 18: alone
+    for b in batches:
+        assert len(b) == 1 or len(b) * max(lengths[i] for i in b) <= 18
+    assert batches[1] == [1, 3]  # equal lengths keep input order
+
+
+def test_run_twice_identical(model: EosRamp, tmp_path: Path) -> None:
+    """RELIABILITY F7: the same input translated twice gives byte-identical output."""
+    src = tmp_path / "in.txt"
+    src.write_text("\n".join(sentences(10)) + "\n", encoding="utf-8")
+    translate_file(model, TOK, src, tmp_path / "a.txt", CFG)
+    translate_file(model, TOK, src, tmp_path / "b.txt", CFG)
+    assert (tmp_path / "a.txt").read_bytes() == (tmp_path / "b.txt").read_bytes()
+
+
+@pytest.mark.parametrize(("change", "option"), [
+    ({"beam": 0}, "beam"),
+    ({"alpha": -0.6}, "alpha"),
+    ({"beam": 2, "nbest": 3}, "nbest"),
+])
+def test_invalid_options_raise_naming_the_option(model: EosRamp, change: dict,
+                                                 option: str) -> None:
+    """RELIABILITY F14: beam 0, negative length penalty, nbest > beam: ValueError naming
+    the option, before any work."""
+    with pytest.raises(ValueError, match=option):
+        translate_lines(model, TOK, ["w5 w6"], replace(CFG, **change))
+    assert model.encoded == 0
+
+
+def test_nbest_lists_are_sorted_and_distinct(model: EosRamp) -> None:
+    """Section 6.1 beam search: nbest outputs per line, best score first."""
+    nbest, _ = translate_nbest(model, TOK, ["w5 w6 w7", ""], replace(CFG, nbest=3))
+    assert len(nbest[0]) == 3 and nbest[1] == []
+    scores = [t.score for t in nbest[0]]
+    assert scores == sorted(scores, reverse=True)
+
+
+# ------------------------------------------------------------------------- files
+def test_translate_file_summary_and_line_count(model: EosRamp, tmp_path: Path) -> None:
+    """RELIABILITY F2/F3/F13: the output file has one line per input line, blank lines
+    blank, no temporary file left; the summary counts lines, blanks and truncations."""
+    lines = ["w5 w6", "", "w7 w8 w9 w10 w11 w12 w13 w14", "w9"]
+    src, out = tmp_path / "in.txt", tmp_path / "out.txt"
+    src.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    summary = translate_file(model, TOK, src, out, replace(CFG, max_input_len=4))
+    written = out.read_text(encoding="utf-8").split("\n")
+    assert written[-1] == "" and len(written) - 1 == len(lines)
+    assert written[1] == ""
+    assert written[:-1] == translate_lines(model, TOK, lines, replace(CFG, max_input_len=4))
+    assert summary["lines"] == 4 and summary["empty"] == 1 and summary["truncated"] == 1
+    assert summary["bad_utf8"] == 0 and summary["partial"] is False
+    assert summary["seconds"] > 0 and summary["sentences_per_s"] > 0
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+
+
+def test_empty_file_gives_empty_output_and_warning(model: EosRamp, tmp_path: Path,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """RELIABILITY F1: an empty input file gives an empty output file and a warning."""
+    src, out = tmp_path / "in.txt", tmp_path / "out.txt"
+    src.write_bytes(b"")
+    with caplog.at_level(logging.WARNING, logger="aiayn.translate"):
+        summary = translate_file(model, TOK, src, out, CFG)
+    assert out.read_bytes() == b""
+    assert summary["lines"] == 0
+    assert "empty input" in caplog.text
+
+
+def test_bad_utf8_replaced_counted_and_partial(model: EosRamp, tmp_path: Path,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    """RELIABILITY F9: an invalid UTF-8 line is replaced (U+FFFD), warned about with its
+    line number, counted; the line count is preserved and the result marked partial."""
+    src, out = tmp_path / "in.txt", tmp_path / "out.txt"
+    src.write_bytes(b"w5 w6\nw7 \xe9 w8\nw9\n")
+    with caplog.at_level(logging.WARNING, logger="aiayn.translate"):
+        summary = translate_file(model, TOK, src, out, CFG)
+    assert summary["bad_utf8"] == 1 and summary["partial"] is True
+    assert "in.txt:2" in caplog.text
+    assert len(out.read_text(encoding="utf-8").splitlines()) == 3
+
+
+def test_lines_split_on_newline_only() -> None:
+    """RELIABILITY E4/F3: lines split on b"\\n" only, so a stray \\r or U+2028 stays inside
+    its line and the count agrees with `wc -l`; a BOM is dropped."""
+    lines, bad = decode_lines("\ufeffa\rb\nc\u2028d\ne".encode(), "x")
+    assert lines == ["a\rb", "c\u2028d", "e"] and bad == []
+
+
+def test_failed_translation_leaves_existing_output_untouched(model: EosRamp,
+                                                             tmp_path: Path) -> None:
+    """RELIABILITY F13: a crash while translating never leaves a half-written output."""
+    src, out = tmp_path / "in.txt", tmp_path / "out.txt"
+    src.write_text("w5 w6\nw7\n", encoding="utf-8")
+    out.write_text("previous\n", encoding="utf-8")
+
+    class Broken(EosRamp):
+        def decode_step(self, tokens: Tensor, src_mask: Tensor, states: list) -> Tensor:
+            raise RuntimeError("boom")
+
+    broken = Broken(model.cfg).eval()
+    with pytest.raises(RuntimeError, match="boom"):
+        translate_file(broken, TOK, src, out, CFG)
+    assert out.read_text(encoding="utf-8") == "previous\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt", "out.txt"]
+
+
+def test_stdin_to_stdout_with_nbest_format(model: EosRamp, monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """Section 6.1 n-best output: "i ||| text ||| score" lines (Moses style, 0-based i),
+    nbest per translated line and one for a blank line; read from stdin, written to stdout."""
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"w5 w6\n\nw7\n")))
+    summary = translate_file(model, TOK, None, None, replace(CFG, nbest=2))
+    rows = [line.split(" ||| ") for line in capsys.readouterr().out.splitlines()]
+    assert [r[0] for r in rows] == ["0", "0", "1", "2", "2"]
+    assert rows[2] == ["1", "", "0.000000"]
+    best = translate_lines(model, TOK, ["w5 w6", "", "w7"], CFG)
+    assert [rows[0][1], rows[3][1]] == [best[0], best[2]]
+    assert float(rows[0][2]) >= float(rows[1][2])
+    assert summary["lines"] == 3
