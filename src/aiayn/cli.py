@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -133,10 +134,8 @@ def cmd_average(args: argparse.Namespace) -> int:
     from aiayn.checkpoint import average_checkpoints, list_last, save_checkpoint_file
 
     inputs = [Path(p) for p in args.inputs]
-    if len(inputs) == 1 and inputs[0].is_dir():
-        paths = list_last(inputs[0], args.last)
-    else:
-        paths = inputs
+    one_run = len(inputs) == 1 and inputs[0].is_dir()
+    paths = list_last(inputs[0], args.last) if one_run else inputs
     avg = average_checkpoints(paths, force=args.force)
     save_checkpoint_file(Path(args.out), avg)
     print(f"averaged {len(paths)} checkpoints ({', '.join(p.name for p in paths)}) -> {args.out}")
@@ -286,10 +285,8 @@ def _known_errors() -> tuple[type[BaseException], ...]:
     errors: list[type[BaseException]] = [ConfigError]
     for module, name in (("aiayn.files", "InputError"), ("aiayn.checkpoint", "CheckpointError"),
                          ("aiayn.train", "TrainingError")):
-        try:
+        with contextlib.suppress(ImportError, AttributeError):
             errors.append(getattr(__import__(module, fromlist=[name]), name))
-        except (ImportError, AttributeError):
-            pass
     return tuple(errors)
 
 

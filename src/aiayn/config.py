@@ -8,10 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import tomllib
+import sys
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10 has no tomllib; tomli is the same parser (a dependency there only)
+    import tomli as tomllib
 
 Positional = Literal["sinusoidal", "learned"]
 DType = Literal["fp32", "bf16"]
