@@ -1,0 +1,232 @@
+"""End to end through the `aiayn` command, in-process, on a few hundred Multi30k pairs.
+
+The paper's pipeline (sections 5 and 6.1) in miniature: prepare a shared subword vocabulary,
+train, average the last checkpoints, beam-search translate, score with BLEU. Plus the
+command-line promises of RELIABILITY.md: bad input is one line on stderr and a non-zero
+exit, never a traceback (E1, H1, J1, F12).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import io
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from aiayn.cli import main
+from aiayn.config import get_preset
+from aiayn.model import parameter_formula
+
+MULTI30K = Path(__file__).resolve().parents[2] / "shared" / "data" / "multi30k"
+needs_multi30k = pytest.mark.skipif(
+    not (MULTI30K / "train.en.gz").is_file(),
+    reason=f"Multi30k not found at {MULTI30K} (see shared/data/README.md)")
+
+N_TRAIN, N_VALID, N_TRANSLATE = 300, 50, 20
+EMPTY_AT = 5  # an empty input line here must give an empty output line here (F2)
+# A model small enough to take 40 steps in a few seconds; warmup short enough to learn.
+SMALL = ["--preset", "tiny", "--set", "N=1", "--set", "d_model=64", "--set", "d_ff=128",
+         "--set", "h=2", "--set", "d_k=32", "--set", "d_v=32", "--set", "warmup_steps=40",
+         "--set", "log_interval_steps=5", "--max-steps", "40", "--max-tokens", "1024",
+         "--save-interval-steps", "10", "--no-progress"]
+
+
+@pytest.fixture(autouse=True)
+def _no_reexec(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AIAYN_NO_MALLOC_TUNING", "1")
+
+
+def run(*argv: str | Path) -> tuple[int, str, str]:
+    """`aiayn ARGV` in this process: (exit code, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in argv])
+    return code, out.getvalue(), err.getvalue()
+
+
+def ok(*argv: str | Path) -> str:
+    code, out, err = run(*argv)
+    assert code == 0, f"aiayn {' '.join(map(str, argv))} exited {code}:\n{err}"
+    return out
+
+
+def head(path: Path, start: int, stop: int) -> list[str]:
+    with gzip.open(path, "rt", encoding="utf-8", newline="\n") as f:
+        return f.read().split("\n")[start:stop]
+
+
+def write_lines(path: Path, lines: list[str]) -> Path:
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+@dataclass
+class Pipeline:
+    root: Path
+    run_dir: Path
+    averaged: Path
+    source: list[str]
+    output: list[str]
+    reversed_output: list[str]
+    scores: dict[str, object]
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pipeline]:
+    """data -> prepare -> train -> average -> translate -> evaluate, once for this module."""
+    root = tmp_path_factory.mktemp("cli")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices; and the machine is shared
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("AIAYN_NO_MALLOC_TUNING", "1")
+            yield _run_pipeline(root)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_pipeline(root: Path) -> Pipeline:
+    raw = root / "raw"
+    ok("data", "multi30k", "--from", MULTI30K, "--out", raw, "--splits", "train,val",
+       "--langs", "en,de")
+    small = root / "small"
+    small.mkdir()
+    for lang in ("en", "de"):
+        write_lines(small / f"train.{lang}", head(raw / f"train.{lang}.gz", 0, N_TRAIN))
+        write_lines(small / f"valid.{lang}", head(raw / f"val.{lang}.gz", 0, N_VALID))
+    ok("prepare", "-s", "en", "-t", "de", "--trainpref", small / "train", "--validpref",
+       small / "valid", "--out", root / "prep", "--vocab-size", "600")
+    run_dir = root / "runs" / "small"
+    ok("train", root / "prep", "--out", run_dir, *SMALL)
+    averaged = run_dir / "averaged.pt"
+    ok("average", run_dir, "--last", "3", "--out", averaged)
+
+    # held-out sentences (after the validation lines), with one empty line among them
+    source = head(raw / "val.en.gz", N_VALID, N_VALID + N_TRANSLATE)
+    reference = head(raw / "val.de.gz", N_VALID, N_VALID + N_TRANSLATE)
+    source[EMPTY_AT] = ""
+    outputs = []
+    for name, lines in (("forward", source), ("reversed", source[::-1])):
+        src = write_lines(root / f"{name}.en", lines)
+        ok("translate", "--checkpoint", averaged, "--input", src, "--output",
+           root / f"{name}.de")
+        outputs.append((root / f"{name}.de").read_text(encoding="utf-8").split("\n"))
+    ref = write_lines(root / "ref.de", reference)
+    scores = json.loads(ok("evaluate", "--hyp", root / "forward.de", "--ref", ref, "--json"))
+    return Pipeline(root, run_dir, averaged, source, outputs[0], outputs[1], scores)
+
+
+@needs_multi30k
+def test_training_loss_fell(pipeline: Pipeline) -> None:
+    """Section 5: 40 Adam steps with the Eq. 3 schedule reduce the label-smoothed loss."""
+    log = [json.loads(line) for line in
+           (pipeline.run_dir / "train_log.jsonl").read_text(encoding="utf-8").splitlines()]
+    losses = [r["loss"] for r in log if "loss" in r]
+    assert [r["step"] for r in log if "loss" in r] == list(range(5, 41, 5))
+    assert losses[-1] < losses[0] - 0.5, losses
+    assert any("valid_nll" in r for r in log)  # validated once at the end
+
+
+@needs_multi30k
+def test_checkpoints_written_and_averaged(pipeline: Pipeline) -> None:
+    """Section 6.1: checkpoints at intervals, averaged; the run's config is saved with them."""
+    for step in (10, 20, 30, 40):
+        assert (pipeline.run_dir / f"checkpoint_{step}.pt").is_file()
+    assert (pipeline.run_dir / "checkpoint_last.pt").is_file()
+    config = json.loads((pipeline.run_dir / "config.json").read_text(encoding="utf-8"))
+    assert config["model"]["d_model"] == 64 and config["model"]["N"] == 1
+    assert pipeline.averaged.is_file()
+
+
+@needs_multi30k
+def test_translation_has_one_line_per_input_in_order(pipeline: Pipeline) -> None:
+    """RELIABILITY F2, F3: one output line per input line, in input order; empty stays empty."""
+    output = pipeline.output
+    assert output[-1] == ""  # the file ends with a newline
+    output = output[:-1]
+    assert len(output) == len(pipeline.source) == N_TRANSLATE
+    assert output[EMPTY_AT] == ""
+    assert all(line for i, line in enumerate(output) if i != EMPTY_AT)
+    # Reversing the input reverses the output: lines are not reordered by the
+    # length-sorted batching. (Needs outputs that differ between lines to mean anything.)
+    assert len(set(output)) > N_TRANSLATE // 2
+    assert pipeline.reversed_output[:-1] == output[::-1]
+
+
+@needs_multi30k
+def test_evaluate_json_has_bleu_with_signature(pipeline: Pipeline) -> None:
+    """Section 6.1 / RELIABILITY H2: BLEU and chrF, each with its sacrebleu signature."""
+    s = pipeline.scores
+    assert s["n_lines"] == N_TRANSLATE
+    for key in ("sacrebleu", "tok_bleu", "chrf"):
+        assert isinstance(s[key], float) and 0.0 <= s[key] <= 100.0
+        assert "version:" in str(s[f"{key}_signature"])
+    assert "tok:13a" in str(s["sacrebleu_signature"])
+
+
+def test_info_prints_the_closed_form_parameter_count() -> None:
+    """Table 3: the base model with a shared 37000-token vocabulary has about 65M parameters."""
+    out = ok("info", "--preset", "base", "--vocab-size", "37000")
+    match = re.search(r"parameters: ([\d,]+)", out)
+    assert match, out
+    expected = parameter_formula(replace(get_preset("base").model, vocab_size=37000))
+    assert int(match.group(1).replace(",", "")) == expected
+    assert 60e6 < expected < 66e6
+
+
+def assert_one_line_error(err: str, *fragments: str) -> None:
+    assert "Traceback" not in err, err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1, err
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+
+
+def test_unknown_set_key_names_the_closest_key(tmp_path: Path) -> None:
+    """RELIABILITY J1: an unknown key is an error naming the closest valid key; no work."""
+    code, _, err = run("train", tmp_path / "data", "--out", tmp_path / "run", "--preset",
+                       "tiny", "--set", "d_modle=64")
+    assert code == 2
+    assert_one_line_error(err, "'d_modle'", "'d_model'")
+    assert not (tmp_path / "run").exists()
+
+
+def test_prepare_with_mismatched_line_counts_names_both_files(tmp_path: Path) -> None:
+    """RELIABILITY E1: sides of different lengths are refused, naming both files."""
+    write_lines(tmp_path / "corpus.en", ["a house", "a dog", "a cat"])
+    write_lines(tmp_path / "corpus.de", ["ein Haus", "ein Hund"])
+    code, _, err = run("prepare", "-s", "en", "-t", "de", "--trainpref", tmp_path / "corpus",
+                       "--out", tmp_path / "prep", "--vocab-size", "100")
+    assert code == 1
+    assert_one_line_error(err, "corpus.en has 3 lines", "corpus.de has 2")
+    assert not (tmp_path / "prep").exists()
+
+
+def test_evaluate_with_mismatched_line_counts_names_both_files(tmp_path: Path) -> None:
+    """RELIABILITY H1: BLEU of misaligned files is refused (the sacrebleu API would score it)."""
+    hyp = write_lines(tmp_path / "hyp.de", ["ein Haus"])
+    ref = write_lines(tmp_path / "ref.de", ["ein Haus", "ein Hund", "eine Katze"])
+    code, out, err = run("evaluate", "--hyp", hyp, "--ref", ref)
+    assert code == 1 and out == ""
+    assert_one_line_error(err, "hyp.de has 1 lines", "ref.de has 3 lines")
+
+
+@pytest.mark.parametrize(("argv", "fragment"), [
+    (["translate", "--checkpoint", "{tmp}/missing.pt"], "missing.pt"),
+    (["data", "multi30k", "--from", "{tmp}", "--out", "{tmp}/out", "--splits", "trian"],
+     "'trian'"),
+    (["info", "--preset", "bse"], "'base'"),
+])
+def test_bad_arguments_exit_non_zero_with_one_line(tmp_path: Path, argv: list[str],
+                                                   fragment: str) -> None:
+    """RELIABILITY F12, J1: a missing file or an unknown name is one line, not a traceback."""
+    code, _, err = run(*(a.format(tmp=tmp_path) for a in argv))
+    assert code != 0
+    assert_one_line_error(err, fragment)
