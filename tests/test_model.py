@@ -11,6 +11,7 @@ from torch import nn
 
 from aiayn.config import PAD_ID, PRESETS, ModelConfig
 from aiayn.model import (
+    Dropout,
     MultiHeadAttention,
     Transformer,
     attention_weights,
@@ -47,11 +48,16 @@ def test_attention_equals_eq1_in_float64():
     v = torch.randn(2, 3, 7, 6, generator=g, dtype=torch.float64)
     mask = torch.ones(2, 1, 1, 7, dtype=torch.bool)
     mask[1, ..., 4:] = False
-    torch.testing.assert_close(scaled_dot_product_attention(q, k, v, mask),
-                               literal_attention(q, k, v, mask), rtol=1e-12, atol=1e-12)
-    causal = torch.ones(5, 7, dtype=torch.bool).tril()
-    torch.testing.assert_close(scaled_dot_product_attention(q, k, v, causal=True),
-                               literal_attention(q, k, v, causal), rtol=1e-12, atol=1e-12)
+    causal = torch.ones(5, 7, dtype=torch.bool).tril(diagonal=2)  # queries = last 5 keys
+    for fused in (True, False):  # PyTorch's kernel and the written-out formula
+        torch.testing.assert_close(scaled_dot_product_attention(q, k, v, mask, fused=fused),
+                                   literal_attention(q, k, v, mask), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(
+            scaled_dot_product_attention(q, k, v, causal=True, fused=fused),
+            literal_attention(q, k, v, causal), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(
+            scaled_dot_product_attention(q, k, v, mask, causal=True, fused=fused),
+            literal_attention(q, k, v, mask & causal), rtol=1e-12, atol=1e-12)
 
 
 def test_attention_weights_rows_sum_to_one_and_respect_mask():
@@ -160,6 +166,27 @@ def test_dropout_active_only_in_training():
     assert not torch.allclose(m(src, tgt), m(src, tgt))
     m0 = small_model(P_drop=0.0).train()
     torch.testing.assert_close(m0(src, tgt), m0(src, tgt))
+
+
+@pytest.mark.parametrize("p", [0.1, 0.3])
+def test_dropout_rate_scale_and_gradient(p: float):
+    """Section 5.4 dropout: each element zeroed with probability P_drop, survivors scaled by
+    1/(1 - P_drop), the gradient passing through the same mask; the same seed, the same mask."""
+    x = torch.randn(1001, 999, dtype=torch.float64, requires_grad=True)  # odd element count
+    d = Dropout(p).train()
+    torch.manual_seed(7)
+    y = d(x)
+    dropped = y == 0
+    n = x.numel()
+    assert abs(dropped.double().mean().item() - p) < 5 * math.sqrt(p * (1 - p) / n)
+    for half in (dropped.flatten()[: n // 2], dropped.flatten()[n // 2:]):  # both bit fields
+        assert abs(half.double().mean().item() - p) < 5 * math.sqrt(p * (1 - p) / half.numel())
+    torch.testing.assert_close(y[~dropped], x[~dropped] / (1 - p), rtol=1e-12, atol=0)
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, (~dropped).double() / (1 - p))
+    torch.manual_seed(7)
+    assert torch.equal(d(x), y)
+    assert torch.equal(d.eval()(x), x)
 
 
 def test_incremental_decoding_equals_full_recomputation():

@@ -168,6 +168,22 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_recipe(args: argparse.Namespace) -> int:
+    from aiayn.config import parse_set_args
+    from aiayn.recipe import format_results, run_recipe
+
+    overrides: dict[str, Any] = parse_set_args(args.set or [])
+    if args.max_minutes is not None:
+        overrides["train.max_minutes"] = args.max_minutes
+    if args.seed is not None:
+        overrides["train.seed"] = args.seed
+    results = run_recipe(args.config, args.out, data=args.data, device=args.device,
+                         overrides=overrides, progress=not args.no_progress)
+    print(format_results(results))
+    print(f"results: {Path(args.out) / 'results.json'}")
+    return 0
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
@@ -272,6 +288,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lang", help="target language (default: the reference's suffix)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_evaluate)
+
+    p = sub.add_parser("recipe", help="run an experiment file end to end: data to BLEU")
+    p.add_argument("config", help="experiment file, e.g. configs/multi30k-en-de.toml")
+    p.add_argument("--out", required=True, help="run directory (rerun to resume)")
+    p.add_argument("--data", help="local copy of the corpus (default: download it)")
+    p.add_argument("--max-minutes", type=float, help="training wall-clock budget")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_recipe)
 
     p = sub.add_parser("info", help="configuration and parameter count")
     _add_config_args(p)

@@ -26,6 +26,7 @@ from aiayn.batching import Batch, collate, token_batches
 from aiayn.config import PAD_ID, Config, ModelConfig, TrainConfig
 from aiayn.data import Corpus, load_corpus, load_manifest
 from aiayn.files import sha256_file, write_text_atomic
+from aiayn.flops import training_flops
 from aiayn.model import Transformer, count_parameters
 from aiayn.tokenizer import Tokenizer
 
@@ -66,14 +67,17 @@ def label_smoothed_loss(logits: Tensor, target: Tensor, eps_ls: float) -> tuple[
     Returns:
         (smoothed loss, plain NLL), both summed over the non-pad tokens, in float32.
     """
-    logits = logits.float().flatten(0, 1)
+    # One log-softmax, in float32 whatever the compute dtype, serves both sums.
+    lprobs = F.log_softmax(logits.flatten(0, 1), dim=-1, dtype=torch.float32)  # (B*T, V)
     target = target.flatten()
-    loss = F.cross_entropy(logits, target, ignore_index=PAD_ID, reduction="sum",
-                           label_smoothing=eps_ls)
-    with torch.no_grad():
-        nll = loss if eps_ls == 0 else F.cross_entropy(logits, target, ignore_index=PAD_ID,
-                                                       reduction="sum")
-    return loss, nll
+    real = target != PAD_ID
+    nll_tok = -lprobs.gather(1, target.unsqueeze(1)).squeeze(1)
+    nll = nll_tok.masked_fill(~real, 0.0).sum()
+    if eps_ls == 0:
+        return nll, nll.detach()
+    uniform_tok = -lprobs.mean(dim=-1)  # cross-entropy against the uniform distribution
+    loss = (1.0 - eps_ls) * nll + eps_ls * uniform_tok.masked_fill(~real, 0.0).sum()
+    return loss, nll.detach()
 
 
 # --------------------------------------------------------------------------- the loop
@@ -88,6 +92,7 @@ class TrainState:
     best_valid_nll: float = math.inf
     train_seconds: float = 0.0
     tokens_seen: int = 0
+    flops: float = 0.0  # counted from the model's shapes (aiayn.flops), padding included
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -289,7 +294,7 @@ class Trainer:
         t = self.cfg.train
         step = self.state.step + 1
         _seed_step(t.seed, step)
-        loss_sum, nll_sum, src_tok, tgt_tok = 0.0, 0.0, 0, 0
+        loss_sum, nll_sum, src_tok, tgt_tok, flops = 0.0, 0.0, 0, 0, 0.0
         for _ in range(t.update_freq):
             epoch, pos, batch = next(stream)
             batch = batch.to(self.device)
@@ -297,10 +302,11 @@ class Trainer:
                 logits = self.model(batch.src, batch.tgt_in)
             loss, nll = label_smoothed_loss(logits, batch.tgt_out, t.eps_ls)
             loss.backward()
-            loss_sum += float(loss)
+            loss_sum += float(loss.detach())
             nll_sum += float(nll)
             src_tok += batch.src_tokens
             tgt_tok += batch.tgt_tokens
+            flops += training_flops(self.cfg.model, *batch.src.shape, batch.tgt_in.size(1))
             self.state.epoch, self.state.batch_in_epoch = epoch, pos
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         for g in grads:
@@ -321,6 +327,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.state.step = step
         self.state.tokens_seen += src_tok + tgt_tok
+        self.state.flops += flops
         return stats
 
     def _log(self, record: dict[str, Any]) -> None:

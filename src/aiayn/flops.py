@@ -1,0 +1,64 @@
+"""Floating-point work of the Transformer, counted from its shapes (for Table 2 style costs).
+
+Table 2 of the paper estimates training cost as time x GPUs x sustained FLOP/s; this module
+gives the other estimate, counted from the model: every matrix product of section 3 at
+2 FLOPs per multiply-add, with the backward pass counted as twice the forward (the usual
+convention of Kaplan et al. 2020). Element-wise work (softmax, LayerNorm, dropout) is
+left out, as it is in those conventions.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from aiayn.config import ModelConfig
+
+
+def forward_flops(cfg: ModelConfig, batch: int, S: int, T: int) -> float:
+    """FLOPs of one forward pass over a (padded) batch: B sources of S and B targets of T.
+
+    Args:
+        cfg: the architecture (vocab_size must be set for the output projection).
+        batch, S, T: batch size, source and target lengths as computed (padding included).
+    """
+    D, F, h, d_k, d_v, V = cfg.d_model, cfg.d_ff, cfg.h, cfg.d_k, cfg.d_v, cfg.vocab_size
+    qkv = 2 * D * h * (2 * d_k + d_v)  # per token: Q, K, V projections
+    out = 2 * h * d_v * D  # W^O
+    ffn = 2 * 2 * D * F
+    enc_token = qkv + out + ffn + 2 * S * h * (d_k + d_v)  # + Q K^T and weights x V
+    dec_token = (qkv + out  # masked self-attention projections
+                 + 2 * T * h * (d_k + d_v)  # its products (the full T x T matrix is computed)
+                 + 2 * D * h * d_k + out  # encoder-decoder attention: Q and W^O
+                 + 2 * S * h * (d_k + d_v)  # its products with the encoder's keys and values
+                 + ffn)
+    memory_kv = 2 * D * h * (d_k + d_v)  # per source token and decoder layer
+    per_sentence = cfg.N * (S * enc_token + T * dec_token + S * memory_kv) + T * 2 * D * V
+    return float(batch * per_sentence)
+
+
+def training_flops(cfg: ModelConfig, batch: int, S: int, T: int) -> float:
+    """Forward + backward (twice the forward) FLOPs of one training batch."""
+    return 3.0 * forward_flops(cfg, batch, S, T)
+
+
+def matmul_peak(dtype: torch.dtype = torch.float32, n: int = 2048, repeats: int = 10,
+                device: str | torch.device = "cpu") -> float:
+    """Measured matrix-product rate (FLOP/s) of an n x n x n product: the machine's ceiling.
+
+    The median of `repeats` timed products after two warm-up ones.
+    """
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    times = []
+    for i in range(repeats + 2):
+        sync()
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        sync()
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    times.sort()
+    return 2.0 * n**3 / times[len(times) // 2]

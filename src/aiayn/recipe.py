@@ -1,0 +1,279 @@
+"""A recipe: one experiment file run end to end, data to BLEU, with a manifest of the run.
+
+data -> prepare -> train -> average -> translate the test set -> evaluate (section 5, 6.1),
+each stage writing files into one run directory:
+
+    RUN/data/raw/        the downloaded (or copied) corpus, verified by sha256
+    RUN/data/prepared/   subword model, id tensors, manifest
+    RUN/checkpoint_*.pt  training checkpoints (resumable: rerunning continues)
+    RUN/checkpoint_avg.pt  the average of the last K checkpoints
+    RUN/test.hyp         the translated test set
+    RUN/results.json     scores with signatures, and the run's manifest
+
+The experiment file is a preset plus overrides (see `config.load_experiment`) and a
+[recipe] table for what is not a model, training or decoding setting.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass, fields
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from aiayn.config import Config, ConfigError, apply_overrides, load_experiment
+from aiayn.files import sha256_file, write_text_atomic
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RecipeConfig:
+    """The [recipe] table of an experiment file."""
+
+    dataset: str = "multi30k"
+    source_lang: str = "en"
+    target_lang: str = "de"
+    vocab_size: int = 8000
+    train_split: str = "train"
+    valid_split: str = "val"
+    test_split: str = "test_2016_flickr"
+    average_last: int = 5  # checkpoints averaged (section 6.1: 5 for base, 20 for big)
+    max_train_pairs: int = 0  # 0 = all; a smaller number makes a quick smoke run
+
+
+def parse_recipe(table: dict[str, Any], where: str) -> RecipeConfig:
+    """The [recipe] table as a RecipeConfig; an unknown key is an error naming the closest."""
+    import difflib
+
+    names = {f.name: f for f in fields(RecipeConfig)}
+    for key in table:
+        if key not in names:
+            close = difflib.get_close_matches(key, list(names), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{where}: unknown key recipe.{key!r}{hint}")
+    recipe = RecipeConfig(**table)
+    if recipe.dataset != "multi30k":
+        raise ConfigError(f"{where}: recipe.dataset must be 'multi30k', got {recipe.dataset!r}")
+    if recipe.average_last < 1 or recipe.vocab_size < 10 or recipe.max_train_pairs < 0:
+        raise ConfigError(f"{where}: recipe.average_last >= 1, vocab_size >= 10 and "
+                          "max_train_pairs >= 0 are required")
+    return recipe
+
+
+def type_like(cls: type, key: str, value: Any) -> Any:
+    """A --set string as the type of the RecipeConfig field it sets."""
+    name = key.removeprefix("recipe.")
+    default = {f.name: f.default for f in fields(cls)}.get(name)
+    if isinstance(default, int) and isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:
+            raise ConfigError(f"{key} must be an integer, got {value!r}") from None
+    return value
+
+
+def load_recipe(path: str | Path, overrides: dict[str, Any] | None = None
+                ) -> tuple[Config, RecipeConfig]:
+    """Read an experiment file with a [recipe] table; `overrides` are --set values."""
+    cfg, extra = load_experiment(path)
+    unknown = set(extra) - {"recipe"}
+    if unknown:
+        raise ConfigError(f"{path}: unknown table(s) {sorted(unknown)}")
+    overrides = dict(overrides or {})
+    table = dict(extra.get("recipe", {}))
+    for key in [k for k in overrides if k.startswith("recipe.")]:
+        table[key.removeprefix("recipe.")] = type_like(RecipeConfig, key, overrides.pop(key))
+    recipe = parse_recipe(table, str(path))
+    if overrides:
+        cfg = apply_overrides(cfg, overrides)
+    if cfg.train.keep_last < recipe.average_last:
+        raise ConfigError(f"{path}: train.keep_last ({cfg.train.keep_last}) must be at least "
+                          f"recipe.average_last ({recipe.average_last})")
+    return cfg, recipe
+
+
+def _truncate_copy(src_prefix: Path, langs: list[str], out_prefix: Path, n: int) -> None:
+    """Write the first n lines of each PREFIX.LANG[.gz] to OUT_PREFIX.LANG (smoke runs)."""
+    from aiayn.data import find_input
+    from aiayn.files import read_lines
+
+    for lang in langs:
+        lines = []
+        for line in read_lines(find_input(src_prefix, lang)):
+            lines.append(line)
+            if len(lines) == n:
+                break
+        write_text_atomic(Path(f"{out_prefix}.{lang}"), "".join(f"{x}\n" for x in lines))
+
+
+def environment() -> dict[str, Any]:
+    """Library versions and machine, for the manifest."""
+    versions = {}
+    for name in ("aiayn", "torch", "sentencepiece", "sacrebleu", "sacremoses", "numpy"):
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    import os
+
+    machine: dict[str, Any] = {"platform": platform.platform(), "processor": _cpu_name(),
+                               "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                               "python": sys.version.split()[0]}
+    if torch.cuda.is_available():
+        machine["cuda_devices"] = [torch.cuda.get_device_name(i)
+                                   for i in range(torch.cuda.device_count())]
+    return {"versions": versions, "machine": machine}
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def run_recipe(path: str | Path, out: str | Path, *, data: str | Path | None = None,
+               device: str = "cpu", overrides: dict[str, Any] | None = None,
+               progress: bool = True) -> dict[str, Any]:
+    """Run an experiment file end to end; see the module docstring for the files it writes.
+
+    Args:
+        path: the experiment file (TOML) with a [recipe] table.
+        out: the run directory; rerunning resumes training and redoes the later stages.
+        data: a local copy of the corpus (e.g. ../shared/data/multi30k); None downloads it.
+        device: "cpu", "cuda", ...
+        overrides: config keys to change (as `--set`), e.g. {"train.max_minutes": 60}.
+        progress: show progress bars.
+
+    Returns:
+        The results dictionary also written to RUN/results.json.
+    """
+    from aiayn.checkpoint import average_checkpoints, list_last, load_model, save_checkpoint_file
+    from aiayn.data import prepare
+    from aiayn.download import download_multi30k
+    from aiayn.evaluate import score_files
+    from aiayn.flops import matmul_peak
+    from aiayn.train import Hooks, train
+    from aiayn.translate import translate_file
+
+    cfg, recipe = load_recipe(path, overrides)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    src, tgt = recipe.source_lang, recipe.target_lang
+    wall: dict[str, float] = {}
+
+    t0 = time.perf_counter()
+    raw = out / "data" / "raw"
+    splits = [recipe.train_split, recipe.valid_split, recipe.test_split]
+    download_multi30k(raw, data, splits=splits, langs=[src, tgt])
+    prefixes = {s: raw / s for s in splits}
+    if recipe.max_train_pairs:
+        small = out / "data" / f"{recipe.train_split}.first{recipe.max_train_pairs}"
+        _truncate_copy(raw / recipe.train_split, [src, tgt], small, recipe.max_train_pairs)
+        prefixes[recipe.train_split] = small
+    prepared = out / "data" / "prepared"
+    manifest = prepare(src, tgt, prefixes[recipe.train_split], prefixes[recipe.valid_split],
+                       None, prepared, vocab_size=recipe.vocab_size,
+                       max_len=cfg.train.max_len, max_len_ratio=cfg.train.max_len_ratio)
+    wall["data_and_prepare_s"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    hooks = Hooks(*_progress_hooks(cfg.train.max_steps)) if progress else None
+    result = train(cfg, prepared, out, device=device, hooks=hooks)
+    wall["train_s"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    paths = list_last(out, recipe.average_last)
+    save_checkpoint_file(out / "checkpoint_avg.pt", average_checkpoints(paths))
+    model, tokenizer, avg_cfg = load_model(out / "checkpoint_avg.pt", device=device)
+    from aiayn.data import find_input
+
+    hyp = out / f"{recipe.test_split}.{src}-{tgt}.hyp"
+    summary = translate_file(model, tokenizer, find_input(raw / recipe.test_split, src), hyp,
+                             cfg.decode, device=device)
+    wall["translate_s"] = time.perf_counter() - t0
+    scores = score_files(hyp, find_input(raw / recipe.test_split, tgt), tgt)
+
+    state = result.state
+    peak_dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32
+    peak = matmul_peak(peak_dtype, device=device)
+    results = {
+        "experiment": str(path), "test_split": recipe.test_split, "pair": f"{src}-{tgt}",
+        "scores": scores.to_dict(),
+        "averaged": [p.name for p in paths],
+        "train": {"steps": state.step, "epochs": state.epoch, "tokens": state.tokens_seen,
+                  "train_seconds": state.train_seconds, "stopped_by": result.stopped_by,
+                  "best_valid_nll": state.best_valid_nll,
+                  "last_valid": next((h for h in reversed(_read_log(out)) if "valid_nll" in h),
+                                     None)},
+        "flops": {"counted_from_model": state.flops,
+                  "estimated_time_x_devices_x_peak": state.train_seconds * peak,
+                  "sustained_peak_flop_s": peak, "peak_dtype": str(peak_dtype),
+                  "model_flop_s": state.flops / max(state.train_seconds, 1e-9)},
+        "wall_seconds": wall, "translate": summary,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "seed": cfg.train.seed, "config": avg_cfg.to_dict(), "recipe": asdict(recipe),
+        "data": {"prepared_manifest_sha256": sha256_file(prepared / "manifest.json"),
+                 "vocab_sha256": manifest["spm_model"]["sha256"],
+                 "inputs": manifest["inputs"],
+                 "test": {side: sha256_file(find_input(raw / recipe.test_split, lang))
+                          for side, lang in (("src", src), ("tgt", tgt))}},
+        **environment(),
+    }
+    write_text_atomic(out / "results.json", json.dumps(results, indent=2) + "\n")
+    return results
+
+
+def _read_log(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "train_log.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+
+
+def _progress_hooks(total: int) -> tuple[Any, Any]:
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, unit="step", dynamic_ncols=True, mininterval=2.0)
+
+    def on_step(step: int, s: dict[str, float]) -> None:
+        bar.n = step
+        bar.set_postfix(loss=f"{s['loss']:.3f}", lr=f"{s['lr']:.2e}",
+                        tok_s=f"{s['tokens_per_s']:.0f}", refresh=False)
+        bar.update(0)
+
+    def on_valid(step: int, m: dict[str, float]) -> None:
+        bar.write(f"step {step}: valid nll {m['valid_nll']:.4f} ppl {m['valid_ppl']:.2f}")
+
+    return on_step, on_valid
+
+
+def format_results(results: dict[str, Any]) -> str:
+    """Every BLEU convention side by side, with signatures, for the terminal."""
+    s = results["scores"]
+    t = results["train"]
+    f = results["flops"]
+    lines = [
+        f"{results['pair']} {results['test_split']} ({s['n_lines']} sentences), "
+        f"average of {len(results['averaged'])} checkpoints, {results['parameters']:,} params",
+        f"  sacreBLEU         {s['sacrebleu']:6.2f}  {s['sacrebleu_signature']}",
+        f"  tok-BLEU (lc)     {s['tok_bleu']:6.2f}  {s['tok_bleu_signature']}",
+        f"  chrF2             {s['chrf']:6.2f}  {s['chrf_signature']}",
+        f"  training: {t['steps']} steps, {t['epochs']} epochs, {t['train_seconds'] / 60:.1f} min,"
+        f" {t['tokens'] / max(t['train_seconds'], 1e-9):,.0f} tokens/s ({t['stopped_by']})",
+        f"  FLOPs: {f['counted_from_model']:.3g} counted, "
+        f"{f['estimated_time_x_devices_x_peak']:.3g} as time x peak "
+        f"({f['sustained_peak_flop_s'] / 1e12:.2f} TFLOP/s {f['peak_dtype']})",
+    ]
+    return "\n".join(lines)
