@@ -59,3 +59,24 @@ def test_eps_zero_is_plain_nll():
     expected = -torch.log_softmax(logits, -1).gather(-1, target[..., None]).sum()
     assert float(loss) == pytest.approx(float(expected), rel=1e-6)
     assert float(loss) == float(nll)
+
+
+@pytest.mark.parametrize("eps", [0.0, 0.1, 0.3])
+def test_loss_gradient_equals_autograd_of_the_definition(eps):
+    """Section 5.4: the written-out gradient (softmax - q) equals autograd of the formula."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5, 11, dtype=torch.float64, generator=g)
+    target = torch.randint(4, 11, (3, 5), generator=g)
+    target[1, 3:] = PAD_ID
+    mine = logits.clone().requires_grad_()
+    loss, nll = label_smoothed_loss(mine, target, eps)
+    (2.5 * loss).backward()
+    ref = logits.clone().requires_grad_()
+    logp = torch.log_softmax(ref.double(), -1)
+    q = torch.full_like(logp, eps / 11).scatter_add_(
+        -1, target.unsqueeze(-1), torch.full((3, 5, 1), 1 - eps, dtype=torch.float64))
+    ref_loss = (-(q * logp).sum(-1) * (target != PAD_ID)).sum()
+    (2.5 * ref_loss).backward()
+    torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(mine.grad, ref.grad, rtol=1e-12, atol=1e-12)
+    assert not nll.requires_grad

@@ -66,11 +66,10 @@ class Batch:
 
 def pad_right(seqs: list[list[int]], pad_id: int = PAD_ID) -> torch.Tensor:
     """Stack sequences into a (B, max_len) long tensor, padded on the right."""
-    out = torch.full((len(seqs), max((len(s) for s in seqs), default=0)), pad_id,
-                     dtype=torch.long)
-    for row, s in enumerate(seqs):
-        out[row, :len(s)] = torch.tensor(s, dtype=torch.long)
-    return out
+    width = max((len(s) for s in seqs), default=0)
+    # One tensor from padded lists: a copy per row costs ~50 ms a training step.
+    return torch.tensor([s + [pad_id] * (width - len(s)) for s in seqs],
+                        dtype=torch.long).view(len(seqs), width)
 
 
 def collate(corpus: PairSource, indices: list[int]) -> Batch:

@@ -51,9 +51,10 @@ def cpu_keep_mask(shape: torch.Size | tuple[int, ...], p: float) -> Tensor:
     """Boolean mask of `shape`, True with probability 1 - p (p rounded to 2^-16 / 2^-15)."""
     n = math.prod(shape)
     r = torch.empty((n + 1) // 2, dtype=torch.int32).random_()  # uniform in [0, 2^31)
-    low = (r & 0xFFFF) >= round(p * 65536)  # 16 random bits
-    high = (r >> 16) >= round(p * 32768)  # the other 15
-    return torch.cat([low, high])[:n].view(shape)
+    keep = torch.empty(2, r.numel(), dtype=torch.bool)
+    torch.ge(r & 0xFFFF, round(p * 65536), out=keep[0])  # the low 16 random bits
+    torch.ge(r, round(p * 32768) << 16, out=keep[1])  # the high 15: r >> 16 >= t
+    return keep.view(-1)[:n].view(shape)
 
 
 # --------------------------------------------------------------------------- 3.2.1
