@@ -184,6 +184,29 @@ def cmd_recipe(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from aiayn import bench
+
+    dtypes = args.dtype.split(",")
+    for dtype in dtypes:
+        if args.what == "peak":
+            result = bench.bench_peak(dtype, args.device)
+        elif args.what == "train":
+            result = bench.bench_train(args.preset, dtype, args.device, steps=args.steps,
+                                       batch=args.batch_sentences or 291)
+        else:
+            result = bench.bench_decode(args.preset, dtype, args.device, beam=args.beam,
+                                        alpha=args.alpha, out_len=args.out_len,
+                                        sentences=args.sentences,
+                                        batch=args.batch_sentences or 64, peak=True)
+        if args.json:
+            print(json.dumps(result), flush=True)
+        else:
+            print("  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                            for k, v in result.items()), flush=True)
+    return 0
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
@@ -299,6 +322,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_recipe)
+
+    p = sub.add_parser("bench", help="throughput: training step, decoding, matmul peak")
+    p.add_argument("what", choices=["train", "decode", "peak"])
+    p.add_argument("--preset", default="base")
+    p.add_argument("--dtype", default="bf16",
+                   help="fp32, bf16 (decode also int8); a comma-separated list runs each")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--steps", type=int, default=10, help="train: timed steps (median)")
+    p.add_argument("--beam", type=int, default=4, help="decode: beam size (1 = greedy)")
+    p.add_argument("--alpha", type=float, default=0.6)
+    p.add_argument("--out-len", type=int, default=20, help="decode: tokens per output")
+    p.add_argument("--sentences", type=int, default=500, help="decode: sentences")
+    p.add_argument("--batch-sentences", type=int, help="default 291 (train), 64 (decode)")
+    p.add_argument("--json", action="store_true", help="one JSON object per measurement")
+    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("info", help="configuration and parameter count")
     _add_config_args(p)

@@ -47,6 +47,7 @@ class RecipeConfig:
     test_split: str = "test_2016_flickr"
     average_last: int = 5  # checkpoints averaged (section 6.1: 5 for base, 20 for big)
     max_train_pairs: int = 0  # 0 = all; a smaller number makes a quick smoke run
+    max_test_pairs: int = 0  # 0 = all; likewise for the test set
 
 
 def parse_recipe(table: dict[str, Any], where: str) -> RecipeConfig:
@@ -62,9 +63,10 @@ def parse_recipe(table: dict[str, Any], where: str) -> RecipeConfig:
     recipe = RecipeConfig(**table)
     if recipe.dataset != "multi30k":
         raise ConfigError(f"{where}: recipe.dataset must be 'multi30k', got {recipe.dataset!r}")
-    if recipe.average_last < 1 or recipe.vocab_size < 10 or recipe.max_train_pairs < 0:
-        raise ConfigError(f"{where}: recipe.average_last >= 1, vocab_size >= 10 and "
-                          "max_train_pairs >= 0 are required")
+    if (recipe.average_last < 1 or recipe.vocab_size < 10 or recipe.max_train_pairs < 0
+            or recipe.max_test_pairs < 0):
+        raise ConfigError(f"{where}: recipe.average_last >= 1, vocab_size >= 10, "
+                          "max_train_pairs >= 0 and max_test_pairs >= 0 are required")
     return recipe
 
 
@@ -159,8 +161,15 @@ def run_recipe(path: str | Path, out: str | Path, *, data: str | Path | None = N
     Returns:
         The results dictionary also written to RUN/results.json.
     """
-    from aiayn.checkpoint import average_checkpoints, list_last, load_model, save_checkpoint_file
-    from aiayn.data import prepare
+    from aiayn.checkpoint import (
+        average_checkpoints,
+        list_checkpoints,
+        list_last,
+        load_model,
+        save_checkpoint_file,
+    )
+    from aiayn.curves import plot_curves, read_log
+    from aiayn.data import find_input, prepare
     from aiayn.download import download_multi30k
     from aiayn.evaluate import score_files
     from aiayn.flops import matmul_peak
@@ -178,10 +187,11 @@ def run_recipe(path: str | Path, out: str | Path, *, data: str | Path | None = N
     splits = [recipe.train_split, recipe.valid_split, recipe.test_split]
     download_multi30k(raw, data, splits=splits, langs=[src, tgt])
     prefixes = {s: raw / s for s in splits}
-    if recipe.max_train_pairs:
-        small = out / "data" / f"{recipe.train_split}.first{recipe.max_train_pairs}"
-        _truncate_copy(raw / recipe.train_split, [src, tgt], small, recipe.max_train_pairs)
-        prefixes[recipe.train_split] = small
+    for split, n in ((recipe.train_split, recipe.max_train_pairs),
+                     (recipe.test_split, recipe.max_test_pairs)):
+        if n:
+            prefixes[split] = out / "data" / f"{split}.first{n}"
+            _truncate_copy(raw / split, [src, tgt], prefixes[split], n)
     prepared = out / "data" / "prepared"
     manifest = prepare(src, tgt, prefixes[recipe.train_split], prefixes[recipe.valid_split],
                        None, prepared, vocab_size=recipe.vocab_size,
@@ -194,16 +204,19 @@ def run_recipe(path: str | Path, out: str | Path, *, data: str | Path | None = N
     wall["train_s"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    paths = list_last(out, recipe.average_last)
+    available = len(list_checkpoints(out))
+    if available < recipe.average_last:
+        log.warning("averaging the %d checkpoints there are, not recipe.average_last=%d: the "
+                    "run was shorter than the recipe assumes", available, recipe.average_last)
+    paths = list_last(out, min(available, recipe.average_last))
     save_checkpoint_file(out / "checkpoint_avg.pt", average_checkpoints(paths))
     model, tokenizer, avg_cfg = load_model(out / "checkpoint_avg.pt", device=device)
-    from aiayn.data import find_input
+    test_src, test_ref = (find_input(prefixes[recipe.test_split], lang) for lang in (src, tgt))
 
     hyp = out / f"{recipe.test_split}.{src}-{tgt}.hyp"
-    summary = translate_file(model, tokenizer, find_input(raw / recipe.test_split, src), hyp,
-                             cfg.decode, device=device)
+    summary = translate_file(model, tokenizer, test_src, hyp, cfg.decode, device=device)
     wall["translate_s"] = time.perf_counter() - t0
-    scores = score_files(hyp, find_input(raw / recipe.test_split, tgt), tgt)
+    scores = score_files(hyp, test_ref, tgt)
 
     state = result.state
     peak_dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32
@@ -215,7 +228,7 @@ def run_recipe(path: str | Path, out: str | Path, *, data: str | Path | None = N
         "train": {"steps": state.step, "epochs": state.epoch, "tokens": state.tokens_seen,
                   "train_seconds": state.train_seconds, "stopped_by": result.stopped_by,
                   "best_valid_nll": state.best_valid_nll,
-                  "last_valid": next((h for h in reversed(_read_log(out)) if "valid_nll" in h),
+                  "last_valid": next((h for h in reversed(read_log(out)) if "valid_nll" in h),
                                      None)},
         "flops": {"counted_from_model": state.flops,
                   "estimated_time_x_devices_x_peak": state.train_seconds * peak,
@@ -227,19 +240,15 @@ def run_recipe(path: str | Path, out: str | Path, *, data: str | Path | None = N
         "data": {"prepared_manifest_sha256": sha256_file(prepared / "manifest.json"),
                  "vocab_sha256": manifest["spm_model"]["sha256"],
                  "inputs": manifest["inputs"],
-                 "test": {side: sha256_file(find_input(raw / recipe.test_split, lang))
-                          for side, lang in (("src", src), ("tgt", tgt))}},
+                 "test": {"src": sha256_file(test_src), "tgt": sha256_file(test_ref)}},
         **environment(),
     }
     write_text_atomic(out / "results.json", json.dumps(results, indent=2) + "\n")
+    try:
+        plot_curves({f"{src}-{tgt}": out}, out / "curve.png", title=str(path))
+    except ImportError:
+        log.info("matplotlib is not installed (pip install 'aiayn[plot]'): no curve.png")
     return results
-
-
-def _read_log(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "train_log.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
 
 
 def _progress_hooks(total: int) -> tuple[Any, Any]:

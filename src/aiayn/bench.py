@@ -1,0 +1,178 @@
+"""Throughput benchmarks: training step, beam/greedy decoding, and the matmul ceiling.
+
+The protocols are fixed so that runs on different days and machines compare (issue 5):
+- train: one training step (forward, label-smoothed loss, backward, Adam) on a batch of
+  291 sentence pairs of 12-16 tokens a side (~4,100 + ~4,100 tokens), shared vocabulary of
+  10,000, random weights; the median of `steps` timed steps after `warmup` untimed ones.
+- decode: 500 random source sentences of 12-16 tokens in batches of 64, every output forced
+  to exactly `out_len` tokens (EOS is never chosen before the cap), so that systems are
+  compared on identical work whatever their weights.
+- peak: an n x n x n matrix product in the same dtype, measured in the same process, so
+  `peak_fraction` (model FLOP/s over peak) is immune to the machine's drift.
+"""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import time
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from aiayn.config import BOS_ID, EOS_ID, PAD_ID, get_preset
+from aiayn.flops import forward_flops, matmul_peak, training_flops
+from aiayn.model import Transformer
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+FIRST_TOKEN = 4  # ids below are PAD, UNK, BOS, EOS
+
+
+def max_rss_gib() -> float:
+    """Peak resident memory of this process so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def random_batch(n: int, vocab: int, lo: int = 12, hi: int = 16, seed: int = 0) -> Tensor:
+    """(n, hi + 1) source ids: lengths uniform in [lo, hi], then EOS, then padding."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(lo, hi + 1, (n,), generator=g)
+    ids = torch.randint(FIRST_TOKEN, vocab, (n, hi + 1), generator=g)
+    pos = torch.arange(hi + 1)
+    ids = ids.masked_fill(pos == lengths[:, None], EOS_ID)
+    return ids.masked_fill(pos > lengths[:, None], PAD_ID)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bench_peak(dtype: str = "bf16", device: str = "cpu", n: int = 2048) -> dict[str, Any]:
+    """The matrix-product ceiling in FLOP/s."""
+    flops = matmul_peak(DTYPES[dtype], n=n, device=device)
+    return {"bench": "peak", "dtype": dtype, "device": device, "n": n, "tflops": flops / 1e12}
+
+
+def bench_train(preset: str = "base", dtype: str = "bf16", device: str = "cpu", *,
+                steps: int = 10, warmup: int = 3, vocab: int = 10_000, batch: int = 291,
+                peak: bool = True) -> dict[str, Any]:
+    """Training tokens/s (source + target non-pad tokens) of one preset; see module doc."""
+    from aiayn.train import label_smoothed_loss, make_optimizer
+
+    cfg = get_preset(preset)
+    dev = torch.device(device)
+    torch.manual_seed(0)
+    model = Transformer(replace(cfg.model, vocab_size=vocab)).to(dev).train()
+    opt = make_optimizer(model, cfg.train)
+    src = random_batch(batch, vocab, seed=1).to(dev)
+    tgt = random_batch(batch, vocab, seed=2).to(dev)  # ends in EOS: tgt_out
+    tgt_in = torch.cat([torch.full_like(tgt[:, :1], BOS_ID), tgt[:, :-1]], dim=1)  # shift
+    tgt_in = tgt_in.masked_fill(tgt_in == EOS_ID, PAD_ID)
+    n_tokens = int((src != PAD_ID).sum() + (tgt != PAD_ID).sum())
+
+    def step() -> None:
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dtype == "bf16"):
+            logits = model(src, tgt_in)
+        loss, _ = label_smoothed_loss(logits, tgt, cfg.train.eps_ls)
+        (loss / n_tokens).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    times = _timed(step, steps, warmup, dev)
+    t = statistics.median(times)
+    flops = training_flops(model.cfg, batch, src.size(1), tgt.size(1))
+    result = {"bench": "train", "preset": preset, "dtype": dtype, "device": device,
+              "batch_sentences": batch, "tokens": n_tokens, "seconds_per_step": t,
+              "tokens_per_s": n_tokens / t, "model_tflops": flops / t / 1e12,
+              "steps": steps, "max_rss_gib": max_rss_gib()}
+    if peak:
+        p = matmul_peak(DTYPES[dtype], device=device)
+        result.update(peak_tflops=p / 1e12, peak_fraction=flops / t / p)
+    return result
+
+
+def _timed(fn: Any, steps: int, warmup: int, device: torch.device) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(steps):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+class _NoEarlyEOS(nn.Module):
+    """Wraps a model so that EOS is never the next token: every output reaches the cap."""
+
+    def __init__(self, model: Transformer) -> None:
+        super().__init__()
+        self.model, self.cfg = model, model.cfg
+
+    def encode(self, src: Tensor) -> tuple[Tensor, Tensor]:
+        return self.model.encode(src)
+
+    def init_state(self, memory: Tensor, max_len: int) -> Any:
+        return self.model.init_state(memory, max_len)
+
+    def decode_step(self, tokens: Tensor, src_mask: Tensor, states: Any) -> Tensor:
+        logits = self.model.decode_step(tokens, src_mask, states)
+        logits[:, EOS_ID] = float("-inf")
+        return logits
+
+
+def quantize_int8(model: Transformer) -> nn.Module:
+    """Dynamic int8 quantization of every Linear (weights int8, activations per batch)."""
+    from torch.ao.quantization import quantize_dynamic
+
+    return quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
+
+
+def bench_decode(preset: str = "base", dtype: str = "fp32", device: str = "cpu", *,
+                 beam: int = 4, alpha: float = 0.6, out_len: int = 20, sentences: int = 500,
+                 batch: int = 64, vocab: int = 10_000, peak: bool = False) -> dict[str, Any]:
+    """Decoding sentences/s with outputs forced to `out_len` tokens; see module doc.
+
+    dtype: "fp32", "bf16" (weights and activations), or "int8" (dynamic quantization).
+    """
+    from aiayn.search import beam_search, greedy_search
+
+    cfg = get_preset(preset)
+    dev = torch.device(device)
+    torch.manual_seed(0)
+    model = Transformer(replace(cfg.model, vocab_size=vocab)).to(dev).eval()
+    if dtype == "bf16":
+        model = model.to(torch.bfloat16)
+    elif dtype == "int8":
+        model = quantize_int8(model)
+        model.cfg = cfg.model  # quantize_dynamic copies the module; keep its config visible
+    wrapped = _NoEarlyEOS(model)
+    src = random_batch(sentences, vocab, seed=3).to(dev)
+
+    def run() -> None:
+        for i in range(0, sentences, batch):
+            chunk = src[i:i + batch]
+            if beam == 1:
+                greedy_search(wrapped, chunk, 0.0, out_len)
+            else:
+                beam_search(wrapped, chunk, beam, alpha, 0.0, out_len)
+
+    t = statistics.median(_timed(run, 1, 1, dev))
+    # Matrix products of the search: the encoder and its keys/values once per sentence,
+    # the decoder once per hypothesis and output position (counted as if teacher-forced).
+    mcfg, s_len = replace(cfg.model, vocab_size=vocab), src.size(1)
+    flops = forward_flops(mcfg, sentences, s_len, 0) + beam * (
+        forward_flops(mcfg, sentences, s_len, out_len) - forward_flops(mcfg, sentences, s_len, 0))
+    result = {"bench": "decode", "preset": preset, "dtype": dtype, "device": device,
+              "beam": beam, "alpha": alpha, "out_len": out_len, "sentences": sentences,
+              "batch_sentences": batch, "seconds": t, "sentences_per_s": sentences / t,
+              "model_tflops": flops / t / 1e12, "max_rss_gib": max_rss_gib()}
+    if peak:
+        p = matmul_peak(DTYPES.get(dtype, torch.float32), device=device)
+        result.update(peak_tflops=p / 1e12, peak_fraction=flops / t / p)
+    return result

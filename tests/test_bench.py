@@ -1,0 +1,51 @@
+"""Benchmarks and FLOP counts: the counted FLOPs agree with PyTorch's own FLOP counter."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from aiayn.bench import bench_decode, bench_train, random_batch
+from aiayn.config import EOS_ID, PAD_ID, ModelConfig
+from aiayn.flops import forward_flops, training_flops
+from aiayn.model import Transformer
+
+CFG = ModelConfig(N=2, d_model=32, d_ff=48, h=4, d_k=8, d_v=12, vocab_size=50, P_drop=0.0)
+
+
+@pytest.mark.parametrize("cfg", [CFG, replace(CFG, h=1, d_k=32, d_v=32, N=1)])
+def test_forward_flops_equal_pytorch_flop_counter(cfg):
+    """Every matrix product of section 3 (projections, Q K^T, weights x V, FFN, output
+    layer), counted from shapes, equals what PyTorch counts while running the model."""
+    model = Transformer(cfg).eval()
+    src, tgt = torch.randint(4, 50, (3, 7)), torch.randint(4, 50, (3, 5))
+    with FlopCounterMode(display=False) as counter:
+        model(src, tgt)
+    assert forward_flops(cfg, 3, 7, 5) == counter.get_total_flops()
+
+
+def test_training_flops_equal_pytorch_flop_counter_forward_and_backward():
+    model = Transformer(CFG).train()
+    src, tgt = torch.randint(4, 50, (3, 7)), torch.randint(4, 50, (3, 5))
+    with FlopCounterMode(display=False) as counter:
+        model(src, tgt).sum().backward()
+    # Backward = 2 x forward, except that no gradient is taken for the input token ids'
+    # embedding lookup (not a product) and the first layer's input needs none either.
+    assert training_flops(CFG, 3, 7, 5) == pytest.approx(counter.get_total_flops(), rel=0.05)
+
+
+def test_random_batch_lengths_and_padding():
+    ids = random_batch(50, 100, lo=3, hi=6, seed=1)
+    lengths = (ids != PAD_ID).sum(1)
+    assert ((lengths >= 4) & (lengths <= 7)).all()  # 3..6 tokens + EOS
+    assert ((ids == EOS_ID).sum(1) == 1).all()
+
+
+def test_bench_train_and_decode_report_the_protocol_fields():
+    train = bench_train("tiny", "fp32", steps=1, warmup=0, vocab=200, batch=8, peak=False)
+    assert train["tokens_per_s"] > 0 and train["model_tflops"] > 0 and train["max_rss_gib"] > 0
+    decode = bench_decode("tiny", "fp32", beam=2, out_len=5, sentences=6, batch=4, vocab=200)
+    assert decode["sentences_per_s"] > 0 and decode["sentences"] == 6
