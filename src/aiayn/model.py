@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from aiayn.config import PAD_ID, ModelConfig
 
+
 # --------------------------------------------------------------------------- 5.4
 class Dropout(nn.Module):
     """Dropout (section 5.4): zero each element with probability p, scale the rest by 1/(1-p).
@@ -118,7 +119,8 @@ def attention_weights(q: Tensor, k: Tensor, mask: Tensor | None = None) -> Tenso
 
 # --------------------------------------------------------------------------- 3.2.2
 class MultiHeadAttention(nn.Module):
-    """MultiHead(Q, K, V) = Concat(head_1..head_h) W^O, head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V).
+    """MultiHead(Q, K, V) = Concat(head_1..head_h) W^O (section 3.2.2),
+    head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V).
 
     The h per-head projections are stored as one matrix each (W^Q: D x h*K, ...); for
     self-attention Q, K and V come from one fused matrix, which is the same parameters laid
@@ -282,7 +284,7 @@ def sinusoidal_positions(n_positions: int, d_model: int) -> Tensor:
 
 
 class Embeddings(nn.Module):
-    """Token embedding x sqrt(d_model) + positional encoding, then dropout (sections 3.4, 3.5, 5.4)."""
+    """Token embedding x sqrt(d_model) + positional encoding, then dropout (3.4, 3.5, 5.4)."""
 
     def __init__(self, cfg: ModelConfig, token: nn.Embedding) -> None:
         super().__init__()

@@ -7,6 +7,7 @@ an uninterrupted one exactly (fairseq does the same).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -220,10 +221,8 @@ class _StopSignal:
 
     def __enter__(self) -> _StopSignal:
         for sig in (signal.SIGTERM, signal.SIGINT):
-            try:
+            with contextlib.suppress(ValueError):  # not the main thread: no handler
                 self._old[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread
-                pass
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:
