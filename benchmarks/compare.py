@@ -1,0 +1,217 @@
+"""aiayn against the systems users would pick instead, on identical shapes, in one run.
+
+    pip install -e '.[bench]'            # transformers (and ctranslate2, when it is used)
+    python benchmarks/compare.py         # tiny and base, training and decoding
+    python benchmarks/compare.py --presets base --what train --dtypes bf16 --rounds 2
+
+Peers are built from configs with random weights (never downloaded):
+- HF MarianMTModel configured as the paper's model (post-norm, sinusoidal positions,
+  shared and scaled embeddings, ReLU), with eager and sdpa attention.
+Each measurement runs in its own process (so that max_rss_gib is its own), with the same
+allocator settings for all, and the systems alternate within each round: the machine's
+speed drifts by ~10% over minutes, so only measurements of one run compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "17179869184", "MALLOC_TRIM_THRESHOLD_": "17179869184",
+              "MALLOC_TOP_PAD_": "536870912"}
+VOCAB = 10_000
+
+
+def hf_model(preset: str, attn: str) -> Any:
+    """HF MarianMTModel laid out as the paper's Transformer, random weights."""
+    from transformers import MarianConfig, MarianMTModel
+
+    from aiayn.config import get_preset
+
+    m = get_preset(preset).model
+    config = MarianConfig(
+        vocab_size=VOCAB, decoder_vocab_size=VOCAB, d_model=m.d_model,
+        encoder_layers=m.N, decoder_layers=m.N, encoder_attention_heads=m.h,
+        decoder_attention_heads=m.h, encoder_ffn_dim=m.d_ff, decoder_ffn_dim=m.d_ff,
+        activation_function="relu", dropout=m.P_drop, attention_dropout=0.0,
+        activation_dropout=0.0, max_position_embeddings=512, scale_embedding=True,
+        pad_token_id=0, eos_token_id=3, decoder_start_token_id=2, forced_eos_token_id=None,
+        share_encoder_decoder_embeddings=True, tie_word_embeddings=True)
+    import torch
+
+    torch.manual_seed(0)
+    config._attn_implementation = attn
+    return MarianMTModel(config)
+
+
+def hf_train(preset: str, dtype: str, attn: str, steps: int, warmup: int = 3) -> dict[str, Any]:
+    import torch
+    import torch.nn.functional as F
+
+    from aiayn.bench import _timed, max_rss_gib, random_batch
+    from aiayn.config import BOS_ID, EOS_ID, PAD_ID
+
+    model = hf_model(preset, attn).train()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
+    src = random_batch(291, VOCAB, seed=1)
+    tgt = random_batch(291, VOCAB, seed=2)
+    tgt_in = torch.cat([torch.full_like(tgt[:, :1], BOS_ID), tgt[:, :-1]], dim=1)
+    tgt_in = tgt_in.masked_fill(tgt_in == EOS_ID, PAD_ID)
+    n_tokens = int((src != PAD_ID).sum() + (tgt != PAD_ID).sum())
+
+    def step() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+            logits = model(input_ids=src, attention_mask=src != PAD_ID,
+                           decoder_input_ids=tgt_in,
+                           decoder_attention_mask=tgt_in != PAD_ID).logits
+        loss = F.cross_entropy(logits.float().flatten(0, 1), tgt.flatten(), ignore_index=PAD_ID,
+                               label_smoothing=0.1)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    t = statistics.median(_timed(step, steps, warmup, torch.device("cpu")))
+    return {"tokens_per_s": n_tokens / t, "seconds_per_step": t, "max_rss_gib": max_rss_gib()}
+
+
+def hf_decode(preset: str, dtype: str, attn: str, beam: int, out_len: int,
+              sentences: int = 500, batch: int = 64) -> dict[str, Any]:
+    import torch
+
+    from aiayn.bench import max_rss_gib, random_batch
+    from aiayn.config import PAD_ID
+
+    model = hf_model(preset, attn).eval()
+    if dtype == "bf16":
+        model = model.to(torch.bfloat16)
+    src = random_batch(sentences, VOCAB, seed=3)
+
+    def run() -> None:
+        with torch.inference_mode():
+            for i in range(0, sentences, batch):
+                chunk = src[i:i + batch]
+                model.generate(input_ids=chunk, attention_mask=chunk != PAD_ID, num_beams=beam,
+                               do_sample=False, min_new_tokens=out_len,
+                               max_new_tokens=out_len, length_penalty=0.6 if beam > 1 else 1.0)
+
+    run_small = src[:batch]
+    model.generate(input_ids=run_small, attention_mask=run_small != PAD_ID, num_beams=beam,
+                   max_new_tokens=2, min_new_tokens=2)  # warm-up
+    t0 = time.perf_counter()
+    run()
+    t = time.perf_counter() - t0
+    return {"sentences_per_s": sentences / t, "seconds": t, "max_rss_gib": max_rss_gib()}
+
+
+def aiayn_measure(kind: str, preset: str, dtype: str, steps: int, beam: int,
+                  out_len: int) -> dict[str, Any]:
+    from aiayn.bench import bench_decode, bench_train
+
+    if kind == "train":
+        return bench_train(preset, dtype, steps=steps)
+    return bench_decode(preset, dtype, beam=beam, out_len=out_len, peak=True)
+
+
+def one(spec: dict[str, Any]) -> dict[str, Any]:
+    """Run one measurement (in this process) and return its record."""
+    system, kind = spec["system"], spec["kind"]
+    if system == "aiayn":
+        r = aiayn_measure(kind, spec["preset"], spec["dtype"], spec["steps"], spec["beam"],
+                          spec["out_len"])
+    elif kind == "train":
+        r = hf_train(spec["preset"], spec["dtype"], spec["attn"], spec["steps"])
+    else:
+        r = hf_decode(spec["preset"], spec["dtype"], spec["attn"], spec["beam"], spec["out_len"])
+    return {**spec, **r}
+
+
+def run_child(spec: dict[str, Any]) -> dict[str, Any]:
+    env = {**os.environ, **MALLOC_ENV, "AIAYN_NO_MALLOC_TUNING": "1"}
+    proc = subprocess.run([sys.executable, __file__, "--one", json.dumps(spec)], env=env,
+                          capture_output=True, text=True)
+    if proc.returncode:
+        return {**spec, "error": proc.stderr.strip().splitlines()[-1:]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
+    specs = []
+    for preset in args.presets.split(","):
+        for kind in args.what.split(","):
+            for dtype in args.dtypes.split(","):
+                base = {"kind": kind, "preset": preset, "dtype": dtype, "steps": args.steps,
+                        "beam": args.beam, "out_len": args.out_len}
+                specs.append({**base, "system": "aiayn", "attn": "aiayn"})
+                for attn in args.hf_attn.split(","):
+                    specs.append({**base, "system": "hf-marian", "attn": attn})
+    return specs
+
+
+def table(records: list[dict[str, Any]]) -> str:
+    rows = ["| task | preset | dtype | system | throughput | peak fraction | max RSS GiB |",
+            "|---|---|---|---|---|---|---|"]
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for r in records:
+        groups.setdefault((r["kind"], r["preset"], r["dtype"]), []).append(r)
+    for (kind, preset, dtype), rs in groups.items():
+        unit = "tokens_per_s" if kind == "train" else "sentences_per_s"
+        best_peer = max((r[unit] for r in rs if r["system"] != "aiayn" and unit in r),
+                        default=None)
+        for r in rs:
+            if unit not in r:
+                rows.append(f"| {kind} | {preset} | {dtype} | {r['system']} ({r['attn']}) | "
+                            f"error: {r.get('error')} | | |")
+                continue
+            ratio = ""
+            if r["system"] == "aiayn" and best_peer:
+                ratio = f" (x{r[unit] / best_peer:.2f} best peer)"
+            pf = f"{r['peak_fraction']:.1%}" if "peak_fraction" in r else ""
+            name = r["system"] if r["system"] == "aiayn" else f"{r['system']} ({r['attn']})"
+            rows.append(f"| {kind} | {preset} | {dtype} | {name} | {r[unit]:,.1f} {unit}"
+                        f"{ratio} | {pf} | {r['max_rss_gib']:.2f} |")
+    return "\n".join(rows)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--presets", default="tiny,base")
+    p.add_argument("--what", default="train,decode")
+    p.add_argument("--dtypes", default="fp32,bf16")
+    p.add_argument("--hf-attn", default="eager,sdpa")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--beam", type=int, default=4)
+    p.add_argument("--out-len", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=1, help="repeat the whole plan, interleaved")
+    p.add_argument("--json", help="also write every record to this file")
+    p.add_argument("--one", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.one:
+        print(json.dumps(one(json.loads(args.one))))
+        return 0
+    import platform
+
+    import torch
+
+    print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads", flush=True)
+    records = []
+    for round_ in range(args.rounds):
+        for spec in plan(args):
+            r = run_child({**spec, "round": round_})
+            records.append(r)
+            print(json.dumps(r), flush=True)
+    print(table(records))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
