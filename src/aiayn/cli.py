@@ -104,7 +104,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.dump_config:
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0
-    bar = tqdm(total=cfg.train.max_steps, disable=args.no_progress or None, unit="step",
+    # Under torchrun only rank 0 draws a bar.
+    quiet = args.no_progress or os.environ.get("RANK", "0") != "0"
+    bar = tqdm(total=cfg.train.max_steps, disable=quiet or None, unit="step",
                dynamic_ncols=True)
 
     def on_step(step: int, s: dict[str, float]) -> None:

@@ -26,6 +26,7 @@ from aiayn import checkpoint as ckpt_lib
 from aiayn.batching import Batch, collate, token_batches
 from aiayn.config import PAD_ID, Config, ModelConfig, TrainConfig
 from aiayn.data import Corpus, load_corpus, load_manifest
+from aiayn.distributed import DistContext, init_from_env, shutdown
 from aiayn.files import sha256_file, write_text_atomic
 from aiayn.flops import training_flops
 from aiayn.model import Transformer, count_parameters
@@ -180,10 +181,10 @@ def _seed_step(seed: int, step: int, rank: int = 0, world_size: int = 1) -> None
     torch.manual_seed(seed * 1_000_003 + step * world_size + rank)
 
 
-def _batches_from(corpus: Corpus, cfg: TrainConfig, epoch: int, start: int
-                  ) -> Iterator[tuple[int, Batch]]:
+def _batches_from(corpus: Corpus, cfg: TrainConfig, epoch: int, start: int,
+                  dist_ctx: DistContext) -> Iterator[tuple[int, Batch]]:
     order = token_batches(corpus.src_lens, corpus.tgt_lens, cfg.max_tokens, seed=cfg.seed,
-                          epoch=epoch)
+                          epoch=epoch, rank=dist_ctx.rank, world_size=dist_ctx.world_size)
     for i in range(start, len(order)):
         yield i, collate(corpus, order[i])
 
@@ -244,6 +245,7 @@ class Trainer:
                  device: str = "cpu", reset_optimizer: bool = False,
                  reset_dataloader: bool = False, hooks: Hooks | None = None) -> None:
         self.data_dir, self.run_dir = Path(data_dir), Path(run_dir)
+        self.dist, device = init_from_env(device)
         self.device = torch.device(device)
         self.hooks = hooks or Hooks()
         self.manifest = load_manifest(self.data_dir)
@@ -257,7 +259,16 @@ class Trainer:
         self.valid_data = load_corpus(self.data_dir, "valid") if valid_path.exists() else None
         self.data_sha256 = sha256_file(self.data_dir / "train.pt")
         ckpt_lib.check_run_dir(self.run_dir)
+        torch.manual_seed(self.cfg.train.seed)  # the same initial weights for a given seed
         self.model = Transformer(self.cfg.model).to(self.device)
+        # Under torchrun the forward pass goes through DDP, which averages the gradients;
+        # checkpoints hold the plain model, so they do not depend on the world size.
+        self.net: nn.Module = self.model
+        if self.dist.active:
+            from torch.nn.parallel import DistributedDataParallel
+
+            self.net = DistributedDataParallel(
+                self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         self.optimizer = make_optimizer(self.model, self.cfg.train)
         self.state = TrainState()
         self.resumed_from: Path | None = None
@@ -296,7 +307,8 @@ class Trainer:
     def _batch_stream(self) -> Iterator[tuple[int, int, Batch]]:
         epoch, start = self.state.epoch, self.state.batch_in_epoch
         while True:
-            for i, batch in _batches_from(self.train_data, self.cfg.train, epoch, start):
+            for i, batch in _batches_from(self.train_data, self.cfg.train, epoch, start,
+                                          self.dist):
                 yield epoch, i + 1, batch
             epoch, start = epoch + 1, 0
 
@@ -320,23 +332,33 @@ class Trainer:
         """One optimizer step over `update_freq` batches; a non-finite one is skipped."""
         t = self.cfg.train
         step = self.state.step + 1
-        _seed_step(t.seed, step)
+        _seed_step(t.seed, step, self.dist.rank, self.dist.world_size)
         loss_sum, nll_sum, src_tok, flops = 0.0, 0.0, 0, 0.0
         batches = [next(stream) for _ in range(t.update_freq)]
-        # The loss is a mean over the update's target tokens: scaling each batch's sum by
-        # the total before backward saves a pass over the gradients.
-        tgt_tok = sum(batch.tgt_tokens for _, _, batch in batches)
-        for epoch, pos, batch in batches:
+        # The loss is a mean over the update's target tokens (on all ranks): scaling each
+        # batch's sum by the total before backward saves a pass over the gradients. DDP
+        # averages over ranks, hence the factor world_size.
+        (tgt_tok,) = self.dist.all_sum([sum(b.tgt_tokens for _, _, b in batches)], self.device)
+        scale = self.dist.world_size / max(tgt_tok, 1)
+        for i, (epoch, pos, batch) in enumerate(batches):
             batch = batch.to(self.device)
-            with _autocast(self.device, t.dtype):
-                logits = self.model(batch.src, batch.tgt_in)
-            loss, nll = label_smoothed_loss(logits, batch.tgt_out, t.eps_ls)
-            (loss / max(tgt_tok, 1)).backward()
+            last = i == len(batches) - 1
+            sync = contextlib.nullcontext() if last or not self.dist.active else \
+                self.net.no_sync()  # type: ignore[operator]
+            with sync:
+                with _autocast(self.device, t.dtype):
+                    logits = self.net(batch.src, batch.tgt_in)
+                loss, nll = label_smoothed_loss(logits, batch.tgt_out, t.eps_ls)
+                (loss * scale).backward()
             loss_sum += float(loss.detach())
             nll_sum += float(nll)
             src_tok += batch.src_tokens
             flops += training_flops(self.cfg.model, *batch.src.shape, batch.tgt_in.size(1))
             self.state.epoch, self.state.batch_in_epoch = epoch, pos
+        if self.dist.active:  # every rank reports, and decides on, the same totals
+            loss_sum, nll_sum, src_tok, flops = self.dist.all_sum(
+                [loss_sum, nll_sum, src_tok, flops], self.device)
+        tgt_tok, src_tok = int(tgt_tok), int(src_tok)
         gnorm = float(torch.nn.utils.clip_grad_norm_(
             self.model.parameters(), t.clip_norm if t.clip_norm > 0 else math.inf))
         stats = {"loss": loss_sum / max(tgt_tok, 1), "nll": nll_sum / max(tgt_tok, 1),
@@ -357,11 +379,13 @@ class Trainer:
         return stats
 
     def _log(self, record: dict[str, Any]) -> None:
+        if not self.dist.is_main:
+            return
         with open(self.run_dir / "train_log.jsonl", "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
 
     def _validate(self) -> dict[str, float]:
-        if self.valid_data is None:
+        if self.valid_data is None or not self.dist.is_main:
             return {}
         t = self.cfg.train
         metrics = validate(self.model, self.valid_data, t.max_tokens, self.device, t.dtype)
@@ -382,16 +406,19 @@ class Trainer:
                         t.max_steps)
             result.stopped_by = "already_done"
             return result
-        write_text_atomic(self.run_dir / "config.json",
-                          json.dumps(self.cfg.to_dict(), indent=2) + "\n")
+        if self.dist.is_main:
+            write_text_atomic(self.run_dir / "config.json",
+                              json.dumps(self.cfg.to_dict(), indent=2) + "\n")
         log.info("model: %d parameters; %d training pairs; effective batch ~%d tokens per "
-                 "side x %d accumulation", count_parameters(self.model), len(self.train_data),
-                 t.max_tokens, t.update_freq)
+                 "side x %d accumulation x %d ranks = ~%d", count_parameters(self.model),
+                 len(self.train_data), t.max_tokens, t.update_freq, self.dist.world_size,
+                 t.max_tokens * t.update_freq * self.dist.world_size)
         self.model.train()
         stream = self._batch_stream()
         last_save = time.monotonic()
         consecutive_bad = 0
-        with ckpt_lib.RunLock(self.run_dir), _StopSignal() as stop:
+        lock = ckpt_lib.RunLock(self.run_dir) if self.dist.is_main else contextlib.nullcontext()
+        with lock, _StopSignal() as stop:
             while self.state.step < t.max_steps:
                 t0 = time.perf_counter()
                 stats = self._update(stream)
@@ -420,19 +447,22 @@ class Trainer:
                 due = (t.save_interval_steps > 0 and step % t.save_interval_steps == 0) or (
                     t.save_interval_minutes > 0
                     and time.monotonic() - last_save >= 60 * t.save_interval_minutes)
-                finished = step >= t.max_steps or out_of_time or stop.received is not None
-                if due or finished:
+                out_of_time = self.dist.any(out_of_time, self.device)  # decided together
+                stopping = self.dist.any(stop.received is not None, self.device)
+                finished = step >= t.max_steps or out_of_time or stopping
+                if (due or finished) and self.dist.is_main:
                     result.last_checkpoint = self.save()
                     last_save = time.monotonic()
                 if out_of_time:
                     result.stopped_by = "max_minutes"
                     break
-                if stop.received is not None:
-                    result.stopped_by = signal.Signals(stop.received).name
+                if stopping:
+                    result.stopped_by = signal.Signals(stop.received or signal.SIGTERM).name
                     break
         if result.stopped_by in ("max_steps", "max_minutes") and (
                 self.state.step % t.valid_interval_steps):
             self._validate()
+        self.dist.barrier()  # no rank leaves while rank 0 still writes
         return result
 
 
@@ -442,4 +472,8 @@ def train(cfg: Config, data_dir: str | Path, run_dir: str | Path, *, device: str
     """Train (or resume) a model on a prepared data directory; see :class:`Trainer`."""
     trainer = Trainer(cfg, data_dir, run_dir, device=device, reset_optimizer=reset_optimizer,
                       reset_dataloader=reset_dataloader, hooks=hooks)
-    return trainer.run()
+    try:
+        return trainer.run()
+    finally:
+        if trainer.dist.active:
+            shutdown()
