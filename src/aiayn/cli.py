@@ -65,6 +65,28 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
                    help="override any config key (e.g. --set P_drop=0.3); applied last")
 
 
+def _progress(total: int, disable: bool) -> tuple[Any, Any]:
+    """A training progress bar (loss, lr, tokens/s) and the Hooks that drive it."""
+    from tqdm import tqdm
+
+    from aiayn.train import Hooks
+
+    # Under torchrun only rank 0 draws a bar.
+    quiet = disable or os.environ.get("RANK", "0") != "0"
+    bar = tqdm(total=total, disable=quiet or None, unit="step", dynamic_ncols=True)
+
+    def on_step(step: int, s: dict[str, float]) -> None:
+        bar.n = step
+        bar.set_postfix(loss=f"{s['loss']:.3f}", lr=f"{s['lr']:.2e}",
+                        tok_s=f"{s['tokens_per_s']:.0f}", refresh=False)
+        bar.update(0)
+
+    def on_valid(step: int, m: dict[str, float]) -> None:
+        bar.write(f"step {step}: valid nll {m['valid_nll']:.4f} ppl {m['valid_ppl']:.2f}")
+
+    return bar, Hooks(on_step, on_valid)
+
+
 # --------------------------------------------------------------------------- commands
 def cmd_data(args: argparse.Namespace) -> int:
     from aiayn.download import download_multi30k
@@ -96,32 +118,17 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
-    from aiayn.train import Hooks, train
+    from aiayn.train import train
 
     cfg = _resolve_config(args)
     if args.dump_config:
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0
-    # Under torchrun only rank 0 draws a bar.
-    quiet = args.no_progress or os.environ.get("RANK", "0") != "0"
-    bar = tqdm(total=cfg.train.max_steps, disable=quiet or None, unit="step",
-               dynamic_ncols=True)
-
-    def on_step(step: int, s: dict[str, float]) -> None:
-        bar.n = step
-        bar.set_postfix(loss=f"{s['loss']:.3f}", lr=f"{s['lr']:.2e}",
-                        tok_s=f"{s['tokens_per_s']:.0f}", refresh=False)
-        bar.update(0)
-
-    def on_valid(step: int, m: dict[str, float]) -> None:
-        bar.write(f"step {step}: valid nll {m['valid_nll']:.4f} ppl {m['valid_ppl']:.2f}")
-
+    bar, hooks = _progress(cfg.train.max_steps, args.no_progress)
     try:
         result = train(cfg, args.data, args.out, device=args.device,
                        reset_optimizer=args.reset_optimizer,
-                       reset_dataloader=args.reset_dataloader, hooks=Hooks(on_step, on_valid))
+                       reset_dataloader=args.reset_dataloader, hooks=hooks)
     finally:
         bar.close()
     if result.stopped_by == "already_done":
@@ -172,15 +179,20 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 def cmd_recipe(args: argparse.Namespace) -> int:
     from aiayn.config import parse_set_args
-    from aiayn.recipe import format_results, run_recipe
+    from aiayn.recipe import format_results, load_recipe, run_recipe
 
     overrides: dict[str, Any] = parse_set_args(args.set or [])
     if args.max_minutes is not None:
         overrides["train.max_minutes"] = args.max_minutes
     if args.seed is not None:
         overrides["train.seed"] = args.seed
-    results = run_recipe(args.config, args.out, data=args.data, device=args.device,
-                         overrides=overrides, progress=not args.no_progress)
+    cfg, _ = load_recipe(args.config, overrides)
+    bar, hooks = _progress(cfg.train.max_steps, args.no_progress)
+    try:
+        results = run_recipe(args.config, args.out, data=args.data, device=args.device,
+                             overrides=overrides, hooks=hooks)
+    finally:
+        bar.close()
     print(format_results(results))
     print(f"results: {Path(args.out) / 'results.json'}")
     return 0

@@ -30,6 +30,7 @@ import torch
 
 from aiayn.config import Config, ConfigError, apply_overrides, load_experiment
 from aiayn.files import sha256_file, write_text_atomic
+from aiayn.train import Hooks
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +148,7 @@ def _cpu_name() -> str:
 
 def run_recipe(path: str | Path, out: str | Path, *, data: str | Path | None = None,
                device: str = "cpu", overrides: dict[str, Any] | None = None,
-               progress: bool = True) -> dict[str, Any]:
+               hooks: Hooks | None = None) -> dict[str, Any]:
     """Run an experiment file end to end; see the module docstring for the files it writes.
 
     Args:
@@ -156,7 +157,7 @@ def run_recipe(path: str | Path, out: str | Path, *, data: str | Path | None = N
         data: a local copy of the corpus (e.g. ../shared/data/multi30k); None downloads it.
         device: "cpu", "cuda", ...
         overrides: config keys to change (as `--set`), e.g. {"train.max_minutes": 60}.
-        progress: show progress bars.
+        hooks: training callbacks (the CLI's progress bar).
 
     Returns:
         The results dictionary also written to RUN/results.json.
@@ -173,7 +174,7 @@ def run_recipe(path: str | Path, out: str | Path, *, data: str | Path | None = N
     from aiayn.download import download_multi30k
     from aiayn.evaluate import score_files
     from aiayn.flops import matmul_peak
-    from aiayn.train import Hooks, train
+    from aiayn.train import train
     from aiayn.translate import translate_file
 
     cfg, recipe = load_recipe(path, overrides)
@@ -199,7 +200,6 @@ def run_recipe(path: str | Path, out: str | Path, *, data: str | Path | None = N
     wall["data_and_prepare_s"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    hooks = Hooks(*_progress_hooks(cfg.train.max_steps)) if progress else None
     result = train(cfg, prepared, out, device=device, hooks=hooks)
     wall["train_s"] = time.perf_counter() - t0
 
@@ -249,23 +249,6 @@ def run_recipe(path: str | Path, out: str | Path, *, data: str | Path | None = N
     except ImportError:
         log.info("matplotlib is not installed (pip install 'aiayn[plot]'): no curve.png")
     return results
-
-
-def _progress_hooks(total: int) -> tuple[Any, Any]:
-    from tqdm import tqdm
-
-    bar = tqdm(total=total, unit="step", dynamic_ncols=True, mininterval=2.0)
-
-    def on_step(step: int, s: dict[str, float]) -> None:
-        bar.n = step
-        bar.set_postfix(loss=f"{s['loss']:.3f}", lr=f"{s['lr']:.2e}",
-                        tok_s=f"{s['tokens_per_s']:.0f}", refresh=False)
-        bar.update(0)
-
-    def on_valid(step: int, m: dict[str, float]) -> None:
-        bar.write(f"step {step}: valid nll {m['valid_nll']:.4f} ppl {m['valid_ppl']:.2f}")
-
-    return on_step, on_valid
 
 
 def format_results(results: dict[str, Any]) -> str:
