@@ -711,3 +711,16 @@ def test_load_model_rebuilds_model_vocabulary_and_config(tmp_path: Path) -> None
     save_checkpoint_file(tmp_path / "bad.pt", {**ckpt, "vocab_sha256": VOCAB})
     with pytest.raises(CheckpointError, match=r"bad\.pt: cannot build the model: .*vocab_sha256"):
         C.load_model(tmp_path / "bad.pt")
+
+
+def test_list_last_of_a_short_run_averages_what_there_is(tmp_path: Path) -> None:
+    """Section 6.1 averaging after a run shorter than the window: strict refuses, the
+    CLI's lenient mode takes every checkpoint there is."""
+    for step in (50, 100, 150, 200):
+        (tmp_path / f"checkpoint_{step}.pt").write_bytes(b"x")
+    with pytest.raises(CheckpointError, match="found 4"):
+        list_last(tmp_path, 5)
+    assert [p.name for p in list_last(tmp_path, 5, strict=False)] == [
+        "checkpoint_50.pt", "checkpoint_100.pt", "checkpoint_150.pt", "checkpoint_200.pt"]
+    with pytest.raises(CheckpointError, match="found 0"):
+        list_last(tmp_path / "empty", 5, strict=False)

@@ -425,17 +425,25 @@ def latest_valid_checkpoint(run_dir: str | Path, map_location: str | torch.devic
 
 
 # --------------------------------------------------------------------------- averaging (6.1)
-def list_last(run_dir: str | Path, k: int) -> list[Path]:
+def list_last(run_dir: str | Path, k: int, *, strict: bool = True) -> list[Path]:
     """The last `k` numbered checkpoints of a run (the paper averages 5 for base, 20 for big).
 
+    Args:
+        strict: if False, a run with fewer than `k` (but at least one) gives all it has,
+            with a warning: a short run still averages what it wrote.
+
     Raises:
-        CheckpointError: fewer than `k` exist (keep_last must be at least k).
+        CheckpointError: fewer than `k` exist and `strict` (keep_last must be at least k),
+            or none at all.
     """
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     found = list_checkpoints(run_dir)
-    if len(found) < k:
+    if len(found) < k and (strict or not found):
         raise CheckpointError(f"{run_dir}: asked for the last {k} checkpoints, found {len(found)}")
+    if len(found) < k:
+        logger.warning("%s: averaging the %d checkpoints there are, not the last %d asked for",
+                    run_dir, len(found), k)
     return found[-k:]
 
 

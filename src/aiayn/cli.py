@@ -144,7 +144,7 @@ def cmd_average(args: argparse.Namespace) -> int:
 
     inputs = [Path(p) for p in args.inputs]
     one_run = len(inputs) == 1 and inputs[0].is_dir()
-    paths = list_last(inputs[0], args.last) if one_run else inputs
+    paths = list_last(inputs[0], args.last, strict=False) if one_run else inputs
     avg = average_checkpoints(paths, force=args.force)
     save_checkpoint_file(Path(args.out), avg)
     print(f"averaged {len(paths)} checkpoints ({', '.join(p.name for p in paths)}) -> {args.out}")

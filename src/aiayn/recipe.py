@@ -164,7 +164,6 @@ def run_recipe(path: str | Path, out: str | Path, *, data: str | Path | None = N
     """
     from aiayn.checkpoint import (
         average_checkpoints,
-        list_checkpoints,
         list_last,
         load_model,
         save_checkpoint_file,
@@ -208,11 +207,7 @@ def run_recipe(path: str | Path, out: str | Path, *, data: str | Path | None = N
     wall["train_s"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    available = len(list_checkpoints(out))
-    if available < recipe.average_last:
-        log.warning("averaging the %d checkpoints there are, not recipe.average_last=%d: the "
-                    "run was shorter than the recipe assumes", available, recipe.average_last)
-    paths = list_last(out, min(available, recipe.average_last))
+    paths = list_last(out, recipe.average_last, strict=False)
     save_checkpoint_file(out / "checkpoint_avg.pt", average_checkpoints(paths))
     model, tokenizer, avg_cfg = load_model(out / "checkpoint_avg.pt", device=device)
     test_src, test_ref = (find_input(prefixes[recipe.test_split], lang) for lang in (src, tgt))
