@@ -13,11 +13,11 @@ import pytest
 import torch
 from torch import Tensor
 
+from aiayn.batching import decode_batches
 from aiayn.config import EOS_ID, DecodeConfig, ModelConfig
 from aiayn.model import Transformer
 from aiayn.translate import (
     decode_lines,
-    make_batches,
     translate_file,
     translate_lines,
     translate_nbest,
@@ -139,14 +139,14 @@ def test_batch_size_does_not_change_outputs(model: EosRamp) -> None:
 
 
 def test_batches_respect_the_token_budget() -> None:
-    """Section 5.1-style batching by source tokens: size x longest <= max_tokens (a longer
-    line alone), longest first, every line exactly once."""
-    lengths = {0: 3, 1: 9, 2: 4, 3: 9, 4: 1, 5: 20}
-    batches = make_batches(lengths, max_tokens=18)
+    """Section 5.1-style batching by source tokens (EOS included): size x longest <=
+    max_tokens (a longer line alone), longest first, every line exactly once."""
+    lengths = [3, 9, 4, 9, 1, 20]  # subwords; + EOS inside the budget
+    batches = decode_batches(lengths, max_tokens=20)
     assert sorted(i for b in batches for i in b) == list(range(6))
-    assert batches[0] == [5]  # 20 > 18: alone
+    assert batches[0] == [5]  # 21 > 20: alone
     for b in batches:
-        assert len(b) == 1 or len(b) * max(lengths[i] for i in b) <= 18
+        assert len(b) == 1 or len(b) * (max(lengths[i] for i in b) + 1) <= 20
     assert batches[1] == [1, 3]  # equal lengths keep input order
 
 

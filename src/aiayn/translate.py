@@ -28,6 +28,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from aiayn.batching import decode_batches
 from aiayn.config import EOS_ID, PAD_ID, DecodeConfig
 from aiayn.files import atomic_write, open_bytes
 from aiayn.model import Transformer
@@ -92,23 +93,6 @@ def encode_sources(tokenizer: SubwordTokenizer, lines: Sequence[str], max_input_
     return sources
 
 
-def make_batches(lengths: dict[int, int], max_tokens: int) -> list[list[int]]:
-    """Group line indices, longest first, so that batch size x longest <= max_tokens.
-
-    Longest first so that running out of memory happens at once, not hours in. A line
-    longer than `max_tokens` forms a batch of its own. Ties keep input order.
-    """
-    order = sorted(lengths, key=lambda i: (-lengths[i], i))
-    batches: list[list[int]] = []
-    for i in order:
-        # the batch's first line is its longest, since the order is by decreasing length
-        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= max_tokens:
-            batches[-1].append(i)
-        else:
-            batches.append([i])
-    return batches
-
-
 def pad_batch(sequences: Sequence[list[int]], device: str | torch.device) -> Tensor:
     """Right-pad id lists with PAD into (B, S)."""
     longest = max(len(s) for s in sequences)
@@ -151,11 +135,14 @@ def translate_nbest(model: Transformer, tokenizer: SubwordTokenizer, lines: Sequ
     stats = TranslateStats(lines=len(lines))
     sources = encode_sources(tokenizer, lines, _input_limit(model, cfg), stats)
     results: list[list[Translation]] = [[] for _ in lines]
-    lengths = {i: len(s) for i, s in enumerate(sources) if s is not None}
+    kept = [i for i, s in enumerate(sources) if s is not None]  # blank lines skip the model
     if progress is not None and stats.empty:
         progress(stats.empty)
     model.eval()
-    for batch in make_batches(lengths, cfg.max_tokens):
+    # decode_batches counts the EOS itself: pass the lengths without it.
+    for rows in decode_batches([len(sources[i]) - 1 for i in kept],  # type: ignore[arg-type]
+                               cfg.max_tokens):
+        batch = [kept[r] for r in rows]
         src = pad_batch([sources[i] for i in batch], device)  # type: ignore[misc]
         hyps = beam_search(model, src, cfg.beam, cfg.alpha, cfg.max_len_a, cfg.max_len_b,
                            cfg.nbest)
