@@ -8,8 +8,6 @@ only do through the positional encodings (3.5). Trained with the label-smoothed 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from torch import Tensor
@@ -30,13 +28,7 @@ MODEL = ModelConfig(N=2, d_model=64, d_ff=128, h=4, d_k=16, d_v=16, P_drop=0.0,
 TRAIN = TrainConfig(warmup_steps=100, eps_ls=0.1, lr_scale=0.15)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    # Tiny matrices: thread start-up costs more than the work (and machines are shared).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def random_strings(n: int, g: torch.Generator) -> list[list[int]]:

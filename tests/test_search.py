@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -22,13 +21,7 @@ from aiayn.search import (
 A, B = 4, 5  # the two words of the hand-set table's vocabulary (ids 0-3 are PAD UNK BOS EOS)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    # Tiny matrices: thread start-up costs more than the work (and machines are shared).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ------------------------------------------------------------------------- helpers

@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import logging
 import sys
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -26,13 +25,7 @@ from aiayn.translate import (
 CFG = DecodeConfig(beam=4, alpha=0.6, max_len_a=1.0, max_len_b=5)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    # Tiny matrices: thread start-up costs more than the work (and machines are shared).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class WordTokenizer:
