@@ -417,6 +417,7 @@ class Trainer:
         stream = self._batch_stream()
         last_save = time.monotonic()
         consecutive_bad = 0
+        window = [0.0, 0.0, 0]  # loss and NLL sums, target tokens since the last log line
         lock = ckpt_lib.RunLock(self.run_dir) if self.dist.is_main else contextlib.nullcontext()
         with lock, _StopSignal() as stop:
             while self.state.step < t.max_steps:
@@ -438,9 +439,17 @@ class Trainer:
                 result.history.append({"step": step, **stats})
                 if self.hooks.on_step:
                     self.hooks.on_step(step, stats)
+                n = int(stats["tgt_tokens"])
+                window = [window[0] + stats["loss"] * n, window[1] + stats["nll"] * n,
+                          int(window[2]) + n]
                 if step % t.log_interval_steps == 0:
+                    # The logged loss and NLL are means over the interval's target tokens
+                    # (one batch's value is too noisy to plot); the rest is this step's.
+                    tokens = max(int(window[2]), 1)
                     self._log({"step": step, "time": self.state.train_seconds,
-                               "epoch": self.state.epoch, **stats})
+                               "epoch": self.state.epoch, **stats,
+                               "loss": window[0] / tokens, "nll": window[1] / tokens})
+                    window = [0.0, 0.0, 0]
                 if step % t.valid_interval_steps == 0:
                     self._validate()
                 out_of_time = t.max_minutes > 0 and self.state.train_seconds >= 60 * t.max_minutes
