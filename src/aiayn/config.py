@@ -91,6 +91,18 @@ class TrainConfig:
     max_len_ratio: float = 9.0  # pairs whose length ratio exceeds this are filtered
     seed: int = 1
     dtype: DType = "fp32"
+    patience: int = 0  # stop after this many validations without a better NLL; 0 = never
+    # Divergence guard (Marian --throw-on-divergence): the mean loss of the last
+    # divergence_short steps above the mean of the divergence_window steps before them by
+    # more than divergence_sigma standard deviations. "rollback" reloads the last checkpoint
+    # from before the spike and multiplies the learning rate by divergence_lr_factor (at
+    # most max_rollbacks times); "stop" ends the run with an error; "off" does nothing.
+    divergence: str = "off"
+    divergence_window: int = 100
+    divergence_short: int = 10
+    divergence_sigma: float = 4.0
+    divergence_lr_factor: float = 0.5
+    max_rollbacks: int = 3
 
     def validate(self) -> None:
         if not 0.0 <= self.eps_ls < 1.0:
@@ -112,6 +124,20 @@ class TrainConfig:
             raise ConfigError(f"train.max_len_ratio must be >= 1, got {self.max_len_ratio}")
         if self.dtype not in ("fp32", "bf16"):
             raise ConfigError(f"train.dtype must be 'fp32' or 'bf16', got {self.dtype!r}")
+        if self.divergence not in ("off", "rollback", "stop"):
+            raise ConfigError("train.divergence must be 'off', 'rollback' or 'stop', got "
+                              f"{self.divergence!r}")
+        for name in ("divergence_window", "divergence_short"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"train.{name} must be > 0, got {getattr(self, name)}")
+        if self.divergence_sigma <= 0:
+            raise ConfigError(f"train.divergence_sigma must be > 0, got {self.divergence_sigma}")
+        if not 0.0 < self.divergence_lr_factor <= 1.0:
+            raise ConfigError("train.divergence_lr_factor must be in (0, 1], got "
+                              f"{self.divergence_lr_factor}")
+        for name in ("patience", "max_rollbacks"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+#: Seconds a collective may wait for the other ranks before the job fails (default 30 min).
+TIMEOUT_ENV = "AIAYN_DIST_TIMEOUT_S"
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,22 @@ class DistContext:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
 
+    def any_each(self, flags: list[bool], device: torch.device) -> list[bool]:
+        """`any` for several flags in one collective."""
+        if not self.active:
+            return flags
+        t = torch.tensor([1.0 if f else 0.0 for f in flags], device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return [bool(x) for x in t.tolist()]
+
+    def same_on_all(self, value: float, device: torch.device) -> bool:
+        """Whether every rank holds exactly this value (a cross-rank consistency check)."""
+        if not self.active:
+            return True
+        t = torch.tensor([value, -value], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t[0].item() == -t[1].item() == value
+
     def barrier(self) -> None:
         if self.active:
             dist.barrier()
@@ -69,7 +89,10 @@ def init_from_env(device: str) -> tuple[DistContext, str]:
         device = f"cuda:{local_rank}"
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if is_cuda else "gloo")
+        # A rank that hangs (RELIABILITY D6) makes the others' collectives time out and
+        # raise, so torchrun ends the job instead of waiting for ever.
+        timeout = timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, "1800")))
+        dist.init_process_group(backend="nccl" if is_cuda else "gloo", timeout=timeout)
     return DistContext(rank, world_size, local_rank), device
 
 

@@ -27,6 +27,7 @@ from aiayn.batching import Batch, collate, token_batches
 from aiayn.config import PAD_ID, Config, ModelConfig, TrainConfig
 from aiayn.data import Corpus, load_corpus, load_manifest
 from aiayn.distributed import DistContext, init_from_env, shutdown
+from aiayn.faults import Faults
 from aiayn.files import sha256_file, write_text_atomic
 from aiayn.flops import training_flops
 from aiayn.model import Transformer, count_parameters
@@ -36,6 +37,8 @@ log = logging.getLogger(__name__)
 
 #: Settings that may change when a run is resumed; anything else must match the checkpoint.
 RESUMABLE_CHANGES = {"max_steps", "max_minutes", "save_interval_steps", "save_interval_minutes",
+                     "patience", "divergence", "divergence_window", "divergence_short",
+                     "divergence_sigma", "divergence_lr_factor", "max_rollbacks",
                      "keep_last", "valid_interval_steps", "log_interval_steps"}
 OPTIMIZER_KEYS = {"warmup_steps", "lr_scale", "beta1", "beta2", "adam_eps", "clip_norm", "eps_ls",
                   "dtype"}
@@ -119,7 +122,12 @@ class TrainState:
     epoch: int = 0
     batch_in_epoch: int = 0  # batches of this epoch already consumed
     nonfinite_skipped: int = 0
+    oom_skipped: int = 0
+    rollbacks: int = 0
+    lr_factor: float = 1.0  # halved (divergence_lr_factor) by each divergence rollback
     best_valid_nll: float = math.inf
+    valid_without_improvement: int = 0  # early-stopping patience counter
+    world_size: int = 1  # batch_in_epoch counts this many ranks' batches at a time
     train_seconds: float = 0.0
     tokens_seen: int = 0
     flops: float = 0.0  # counted from the model's shapes (aiayn.flops), padding included
@@ -134,6 +142,8 @@ class Hooks:
 
     on_step: Callable[[int, dict[str, float]], None] | None = None
     on_valid: Callable[[int, dict[str, float]], None] | None = None
+    #: (step, epoch, batch position, example ids) of every batch an update draws
+    on_batch: Callable[[int, int, int, Tensor], None] | None = None
 
 
 @dataclass
@@ -213,6 +223,55 @@ def _autocast(device: torch.device, dtype: str) -> Any:
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16")
 
 
+def _is_oom(e: BaseException) -> bool:
+    if isinstance(e, torch.OutOfMemoryError):
+        return True
+    text = str(e)  # the CPU allocator raises a plain RuntimeError
+    return isinstance(e, RuntimeError) and ("not enough memory" in text
+                                            or "can't allocate memory" in text)
+
+
+def _has_nonfinite(out: Any) -> bool:
+    if isinstance(out, Tensor):
+        return out.is_floating_point() and not bool(torch.isfinite(out).all())
+    if isinstance(out, (tuple, list)):
+        return any(_has_nonfinite(x) for x in out)
+    return False
+
+
+@torch.no_grad()
+def find_nonfinite(model: nn.Module, batch: Batch, device: torch.device,
+                   dtype: str = "fp32") -> str:
+    """Name where a forward pass first turns non-finite (fairseq's NanDetector).
+
+    Parameters are checked first; then one forward pass over `batch` with a hook on every
+    module: hooks run as modules finish, so the first module reported is the innermost
+    one whose output is non-finite.
+    """
+    for name, p in model.named_parameters():
+        if not bool(torch.isfinite(p).all()):
+            return f"parameter {name}"
+    first: list[str] = []
+
+    def hook(name: str) -> Callable[..., None]:
+        def check(_m: nn.Module, _inp: Any, out: Any) -> None:
+            if not first and _has_nonfinite(out):
+                first.append(name)
+        return check
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in model.named_modules() if n]
+    try:
+        b = batch.to(device)
+        with _autocast(device, dtype):
+            model(b.src, b.tgt_in)
+    finally:
+        for h in handles:
+            h.remove()
+    if first:
+        return f"module {first[0]} (its output is the first non-finite value)"
+    return "no module: the forward pass is finite, so the loss or the gradient overflowed"
+
+
 class _StopSignal:
     """SIGTERM/SIGINT: finish the current step, save, then stop (Marian --sigterm save-and-exit)."""
 
@@ -270,8 +329,12 @@ class Trainer:
             self.net = DistributedDataParallel(
                 self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         self.optimizer = make_optimizer(self.model, self.cfg.train)
-        self.state = TrainState()
+        self.state = TrainState(world_size=self.dist.world_size)
         self.resumed_from: Path | None = None
+        self.faults = Faults.from_env(self.dist.rank)
+        self.faults.install(self.model)
+        self._oom_batches: set[tuple[int, int]] = set()
+        self._last_batches: list[Batch] = []
         self._resume(reset_optimizer, reset_dataloader)
 
     def _resume(self, reset_optimizer: bool, reset_dataloader: bool) -> None:
@@ -294,15 +357,35 @@ class Trainer:
         self.state = TrainState(**saved["train_state"])
         if reset_dataloader:
             self.state.epoch, self.state.batch_in_epoch = self.state.epoch + 1, 0
+        self._reshard()
         self.resumed_from = path
         log.info("resumed from %s: step %d, epoch %d, batch %d of the epoch, lr %.3g, best "
-                 "valid nll %.4f", path, self.state.step, self.state.epoch,
+                 "valid nll %.4f, %d validations without improvement, %d non-finite and %d "
+                 "out-of-memory updates skipped", path, self.state.step, self.state.epoch,
                  self.state.batch_in_epoch, self.lr(self.state.step + 1),
-                 self.state.best_valid_nll)
+                 self.state.best_valid_nll, self.state.valid_without_improvement,
+                 self.state.nonfinite_skipped, self.state.oom_skipped)
+
+    def _reshard(self) -> None:
+        """Carry the data position over to another number of ranks (checkpoints do not
+        depend on the world size). Rank r takes batches r, r+W, ... of the epoch, so a
+        position of c batches per rank on W ranks is c*W batches of the epoch; on W' ranks
+        resume at floor(c*W / W'): up to W'-1 batches are seen again, none is skipped."""
+        old, new = self.state.world_size, self.dist.world_size
+        if old == new:
+            return
+        consumed = self.state.batch_in_epoch * old
+        self.state.batch_in_epoch = consumed // new
+        log.warning("resuming a %d-rank run on %d ranks: epoch %d continues after %d of its "
+                    "batches (%d seen again)", old, new, self.state.epoch, consumed,
+                    consumed - self.state.batch_in_epoch * new)
+        self.state.world_size = new
 
     def lr(self, step: int) -> float:
+        """Eq. 3 times lr_scale, times the factor left by divergence rollbacks."""
         t = self.cfg.train
-        return learning_rate(step, self.cfg.model.d_model, t.warmup_steps, t.lr_scale)
+        return self.state.lr_factor * learning_rate(step, self.cfg.model.d_model,
+                                                    t.warmup_steps, t.lr_scale)
 
     def _batch_stream(self) -> Iterator[tuple[int, int, Batch]]:
         epoch, start = self.state.epoch, self.state.batch_in_epoch
@@ -324,17 +407,73 @@ class Trainer:
             "rng": {"torch": torch.get_rng_state()},
         }
 
-    def save(self) -> Path:
-        return ckpt_lib.save_checkpoint(self.run_dir, self.checkpoint_dict(),
-                                        self.cfg.train.keep_last)
+    def save(self) -> Path | None:
+        """Rank 0 writes; every rank first checks that all hold the same weights (a rank
+        that fell out of step must never go unnoticed) and waits for the write to end."""
+        if self.dist.active and not self.dist.same_on_all(self._checksum(), self.device):
+            raise TrainingError(f"ranks hold different weights at step {self.state.step}: "
+                                "a rank fell out of step; stopping without saving")
+        path = None
+        if self.dist.is_main:
+            path = ckpt_lib.save_checkpoint(self.run_dir, self.checkpoint_dict(),
+                                            self.cfg.train.keep_last)
+        self.dist.barrier()
+        return path
+
+    def _checksum(self) -> float:
+        return float(sum(p.detach().double().abs().sum() + p.detach().double().sum()
+                         for p in self.model.parameters()))
+
+    def rollback(self, onset_step: int, reason: str) -> Path:
+        """Reload the newest valid checkpoint from before `onset_step` (the divergence
+        guard); the counters of what went wrong are kept, the learning rate lowered."""
+        t = self.cfg.train
+        if self.state.rollbacks >= t.max_rollbacks:
+            raise TrainingError(f"{reason}; already rolled back {self.state.rollbacks} times "
+                                f"(train.max_rollbacks): stopping")
+        for path in reversed(ckpt_lib.list_checkpoints(self.run_dir)):
+            step = int(path.stem.split("_")[1])
+            if step > onset_step:
+                continue
+            try:
+                saved = ckpt_lib.load_checkpoint(path)
+            except ckpt_lib.CheckpointError as e:
+                log.warning("rollback: skipping %s: %s", path, e)
+                continue
+            break
+        else:
+            raise TrainingError(f"{reason}; no valid checkpoint from step {onset_step} or "
+                                "before to roll back to: stopping")
+        keep = self.state
+        self.model.load_state_dict(saved["model"])
+        self.optimizer.load_state_dict(saved["optimizer"])
+        self.state = TrainState(**saved["train_state"])
+        self.state.world_size = keep.world_size
+        self._reshard()
+        for name in ("nonfinite_skipped", "oom_skipped", "train_seconds"):
+            setattr(self.state, name, getattr(keep, name))
+        self.state.rollbacks = keep.rollbacks + 1
+        self.state.lr_factor = keep.lr_factor * t.divergence_lr_factor
+        self.faults.disarm_lr()
+        log.warning("%s: rolled back to %s (step %d); learning rate now x%g (rollback %d of "
+                    "at most %d)", reason, path, self.state.step, self.state.lr_factor,
+                    self.state.rollbacks, t.max_rollbacks)
+        self._log({"step": self.state.step, "event": "rollback", "reason": reason,
+                   "checkpoint": str(path), "lr_factor": self.state.lr_factor})
+        return path
 
     def _update(self, stream: Iterator[tuple[int, int, Batch]]) -> dict[str, float]:
         """One optimizer step over `update_freq` batches; a non-finite one is skipped."""
         t = self.cfg.train
         step = self.state.step + 1
+        self.faults.begin_attempt(step)
         _seed_step(t.seed, step, self.dist.rank, self.dist.world_size)
         loss_sum, nll_sum, src_tok, flops = 0.0, 0.0, 0, 0.0
         batches = [next(stream) for _ in range(t.update_freq)]
+        self._last_batches = [b for _, _, b in batches]
+        if self.hooks.on_batch:
+            for epoch, pos, b in batches:
+                self.hooks.on_batch(step, epoch, pos, b.ids)
         # The loss is a mean over the update's target tokens (on all ranks): scaling each
         # batch's sum by the total before backward saves a pass over the gradients. DDP
         # averages over ranks, hence the factor world_size.
@@ -345,11 +484,19 @@ class Trainer:
             last = i == len(batches) - 1
             sync = contextlib.nullcontext() if last or not self.dist.active else \
                 self.net.no_sync()  # type: ignore[operator]
-            with sync:
-                with _autocast(self.device, t.dtype):
-                    logits = self.net(batch.src, batch.tgt_in)
-                loss, nll = label_smoothed_loss(logits, batch.tgt_out, t.eps_ls)
-                (loss * scale).backward()
+            try:
+                with sync:
+                    self.faults.oom()
+                    with _autocast(self.device, t.dtype):
+                        logits = self.net(batch.src, batch.tgt_in)
+                    loss, nll = label_smoothed_loss(logits, batch.tgt_out, t.eps_ls)
+                    loss = self.faults.nan_loss(loss)
+                    (loss * scale).backward()
+            except (torch.OutOfMemoryError, RuntimeError) as e:
+                if not _is_oom(e):
+                    raise
+                logits = loss = nll = None  # free what the failed pass held
+                return self._skip_oom(e, batches, i)
             loss_sum += float(loss.detach())
             nll_sum += float(nll)
             src_tok += batch.src_tokens
@@ -370,13 +517,83 @@ class Trainer:
             stats["skipped"] = 1.0
             return stats
         for group in self.optimizer.param_groups:
-            group["lr"] = stats["lr"]
+            group["lr"] = stats["lr"] * self.faults.lr_factor(step)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.faults.after_update(step, self.model)
         self.state.step = step
         self.state.tokens_seen += src_tok + tgt_tok
         self.state.flops += flops
         return stats
+
+    def _skip_oom(self, e: BaseException, batches: list[tuple[int, int, Batch]],
+                  failed: int) -> dict[str, float]:
+        """C6: skip an update whose batch ran out of memory (single process only).
+
+        Under torchrun the other ranks are already inside this step's all-reduce, so one
+        rank cannot skip alone (RELIABILITY D5): it stops, and torchrun ends the job.
+        """
+        epoch, pos, batch = batches[failed]
+        what = (f"batch {pos} of epoch {epoch}: {batch.src.size(0)} sentences, source "
+                f"{tuple(batch.src.shape)}, target {tuple(batch.tgt_in.shape)}, "
+                f"{batch.src_tokens + batch.tgt_tokens} tokens")
+        if self.dist.active:
+            raise TrainingError(f"rank {self.dist.rank}: out of memory at step "
+                                f"{self.state.step + 1} on {what}; a rank cannot skip a step "
+                                f"alone, so the job stops ({e})") from e
+        if (epoch, pos) in self._oom_batches:
+            raise TrainingError(f"out of memory twice on the same {what}: lower "
+                                "train.max_tokens") from e
+        self._oom_batches.add((epoch, pos))
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        last_epoch, last_pos, _ = batches[-1]
+        self.state.epoch, self.state.batch_in_epoch = last_epoch, last_pos
+        self.state.oom_skipped += 1
+        log.warning("out of memory at step %d on %s: update skipped (%d so far)",
+                    self.state.step + 1, what, self.state.oom_skipped)
+        self._log({"step": self.state.step + 1, "event": "oom_skipped", "epoch": epoch,
+                   "batch": pos, "src_shape": list(batch.src.shape),
+                   "tgt_shape": list(batch.tgt_in.shape),
+                   "tokens": batch.src_tokens + batch.tgt_tokens})
+        return {"oom": 1.0}
+
+    def _crash(self, consecutive: int) -> TrainingError:
+        """C2: after repeated non-finite updates, keep the evidence and name the culprit.
+
+        The model is the last good one (skipped updates leave it untouched); it goes to
+        crash-<step>.pt, never over a checkpoint, with the name of the first module whose
+        output is non-finite on the last batch.
+        """
+        t, step = self.cfg.train, self.state.step + 1
+        culprit = "not checked on this rank"
+        path = self.run_dir / f"crash-{step}.pt"
+        if self.dist.is_main:
+            culprit = find_nonfinite(self.model, self._last_batches[-1], self.device, t.dtype)
+            try:
+                ckpt_lib.save_checkpoint_file(path, {
+                    **self.checkpoint_dict(),
+                    "crash": {"step": step, "consecutive_nonfinite": consecutive,
+                              "first_nonfinite": culprit,
+                              "batch_src_shape": list(self._last_batches[-1].src.shape)}})
+            except ckpt_lib.CheckpointError as e:
+                log.error("could not write %s: %s", path, e)
+            self._log({"step": step, "event": "crash", "first_nonfinite": culprit})
+        self.dist.barrier()
+        return TrainingError(f"{consecutive} consecutive non-finite updates at step {step}: "
+                             f"stopping. First non-finite: {culprit}. The model of step "
+                             f"{self.state.step} is in {path}; checkpoints are untouched.")
+
+    def _diverged(self, losses: list[float]) -> bool:
+        """Short-window mean above the long window's mean by divergence_sigma std devs."""
+        t = self.cfg.train
+        if len(losses) < t.divergence_window + t.divergence_short:
+            return False
+        long = torch.tensor(losses[-t.divergence_window - t.divergence_short:
+                                   -t.divergence_short], dtype=torch.float64)
+        short = sum(losses[-t.divergence_short:]) / t.divergence_short
+        return short > float(long.mean()) + t.divergence_sigma * float(long.std())
 
     def _log(self, record: dict[str, Any]) -> None:
         if not self.dist.is_main:
@@ -396,6 +613,23 @@ class Trainer:
         if self.hooks.on_valid:
             self.hooks.on_valid(self.state.step, metrics)
         return metrics
+
+    def _validate_and_check_patience(self) -> bool:
+        """Validate; True when `patience` validations in a row brought no better NLL."""
+        best = self.state.best_valid_nll
+        metrics = self._validate()
+        if not metrics:
+            return False
+        if metrics["valid_nll"] < best:
+            self.state.valid_without_improvement = 0
+        else:
+            self.state.valid_without_improvement += 1
+        patience = self.cfg.train.patience
+        if patience and self.state.valid_without_improvement >= patience:
+            log.warning("no better validation NLL in %d validations (patience %d): stopping",
+                        self.state.valid_without_improvement, patience)
+            return True
+        return False
 
     def run(self) -> TrainResult:
         """Train until max_steps or max_minutes, saving and validating at intervals."""
@@ -417,6 +651,7 @@ class Trainer:
         stream = self._batch_stream()
         last_save = time.monotonic()
         consecutive_bad = 0
+        recent_losses: list[float] = []  # for the divergence guard
         window = [0.0, 0.0, 0]  # loss and NLL sums, target tokens since the last log line
         lock = ckpt_lib.RunLock(self.run_dir) if self.dist.is_main else contextlib.nullcontext()
         with lock, _StopSignal() as stop:
@@ -425,17 +660,33 @@ class Trainer:
                 stats = self._update(stream)
                 dt = time.perf_counter() - t0
                 self.state.train_seconds += dt
+                if "oom" in stats:
+                    continue
                 stats["tokens_per_s"] = (stats["src_tokens"] + stats["tgt_tokens"]) / dt
                 if "skipped" in stats:
                     consecutive_bad += 1
                     log.warning("non-finite loss or gradient at step %d: update skipped "
                                 "(%d so far)", self.state.step + 1, self.state.nonfinite_skipped)
+                    self._log({"step": self.state.step + 1, "event": "nonfinite_skipped",
+                               "count": self.state.nonfinite_skipped})
                     if consecutive_bad >= MAX_CONSECUTIVE_NONFINITE:
-                        raise TrainingError(f"{consecutive_bad} consecutive non-finite updates "
-                                            f"at step {self.state.step + 1}: stopping")
+                        raise self._crash(consecutive_bad)
                     continue
                 consecutive_bad = 0
                 step = self.state.step
+                if t.divergence != "off":
+                    recent_losses = [*recent_losses[-t.divergence_window - t.divergence_short:],
+                                     stats["loss"]]
+                    if self._diverged(recent_losses):
+                        short = recent_losses[-t.divergence_short:]
+                        reason = (f"loss diverged at step {step}: mean "
+                                  f"{sum(short) / len(short):.3f}"
+                                  f" over the last {len(short)} steps")
+                        if t.divergence == "stop":
+                            raise TrainingError(reason + " (train.divergence = 'stop')")
+                        self.rollback(step - t.divergence_short, reason)
+                        stream, recent_losses = self._batch_stream(), []
+                        continue
                 result.history.append({"step": step, **stats})
                 if self.hooks.on_step:
                     self.hooks.on_step(step, stats)
@@ -450,16 +701,20 @@ class Trainer:
                                "epoch": self.state.epoch, **stats,
                                "loss": window[0] / tokens, "nll": window[1] / tokens})
                     window = [0.0, 0.0, 0]
+                impatient = False
                 if step % t.valid_interval_steps == 0:
-                    self._validate()
+                    impatient = self._validate_and_check_patience()
                 out_of_time = t.max_minutes > 0 and self.state.train_seconds >= 60 * t.max_minutes
-                due = (t.save_interval_steps > 0 and step % t.save_interval_steps == 0) or (
-                    t.save_interval_minutes > 0
-                    and time.monotonic() - last_save >= 60 * t.save_interval_minutes)
-                out_of_time = self.dist.any(out_of_time, self.device)  # decided together
-                stopping = self.dist.any(stop.received is not None, self.device)
-                finished = step >= t.max_steps or out_of_time or stopping
-                if (due or finished) and self.dist.is_main:
+                due_by_time = (t.save_interval_minutes > 0
+                               and time.monotonic() - last_save >= 60 * t.save_interval_minutes)
+                # Decided together: each rank's clock and signals are its own.
+                out_of_time, stopping, due_by_time, impatient = self.dist.any_each(
+                    [out_of_time, stop.received is not None, due_by_time, impatient],
+                    self.device)
+                due = due_by_time or (t.save_interval_steps > 0
+                                      and step % t.save_interval_steps == 0)
+                finished = step >= t.max_steps or out_of_time or stopping or impatient
+                if due or finished:
                     result.last_checkpoint = self.save()
                     last_save = time.monotonic()
                 if out_of_time:
@@ -467,6 +722,9 @@ class Trainer:
                     break
                 if stopping:
                     result.stopped_by = signal.Signals(stop.received or signal.SIGTERM).name
+                    break
+                if impatient:
+                    result.stopped_by = "patience"
                     break
         if result.stopped_by in ("max_steps", "max_minutes") and (
                 self.state.step % t.valid_interval_steps):
