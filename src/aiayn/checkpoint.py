@@ -382,11 +382,12 @@ def save_checkpoint(run_dir: str | Path, ckpt: dict[str, Any], keep_last: int) -
 
 
 def latest_valid_checkpoint(run_dir: str | Path, map_location: str | torch.device = "cpu",
-                            ) -> tuple[Path, dict[str, Any]] | None:
+                            *, clean: bool = True) -> tuple[Path, dict[str, Any]] | None:
     """The newest checkpoint of a run that loads and verifies (auto-resume, B1 and B3).
 
-    Removes temp files left by a killed writer (and orphaned manifests) first, so call it
-    holding the RunLock.
+    With `clean`, removes temp files left by a killed writer (and orphaned manifests)
+    first, so call it holding the RunLock; readers that do not own the directory (other
+    ranks) pass clean=False.
     Numbered checkpoints are tried by decreasing step, then `checkpoint_last.pt`; each one
     skipped is logged with its reason.
 
@@ -399,10 +400,10 @@ def latest_valid_checkpoint(run_dir: str | Path, map_location: str | torch.devic
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return None
-    for tmp in remove_stale_tmp(run_dir):
+    for tmp in remove_stale_tmp(run_dir) if clean else []:
         logger.info("removed stale temp file %s", tmp)
-    for sidecar in run_dir.glob("checkpoint_*.pt.sha256"):  # left by a prune cut short
-        if not sidecar.with_suffix("").exists():
+    for sidecar in run_dir.glob("checkpoint_*.pt.sha256") if clean else []:
+        if not sidecar.with_suffix("").exists():  # left by a prune cut short
             sidecar.unlink(missing_ok=True)
     candidates = list_checkpoints(run_dir)[::-1]
     if (run_dir / LAST_NAME).is_file():

@@ -134,8 +134,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     if result.stopped_by == "already_done":
         print(f"already at step {result.state.step} >= max_steps {cfg.train.max_steps}")
         return 0
-    print(f"stopped ({result.stopped_by}) at step {result.state.step}; last checkpoint: "
-          f"{result.last_checkpoint}")
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for the job
+        print(f"stopped ({result.stopped_by}) at step {result.state.step}; last checkpoint: "
+              f"{result.last_checkpoint}")
     return {"SIGTERM": 143, "SIGINT": 130}.get(result.stopped_by, 0)
 
 

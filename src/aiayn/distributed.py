@@ -92,7 +92,14 @@ def init_from_env(device: str) -> tuple[DistContext, str]:
         # A rank that hangs (RELIABILITY D6) makes the others' collectives time out and
         # raise, so torchrun ends the job instead of waiting for ever.
         timeout = timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, "1800")))
-        dist.init_process_group(backend="nccl" if is_cuda else "gloo", timeout=timeout)
+        # After `torchrun --max-restarts` restarts the ranks, keys of the failed attempt
+        # (the old ranks' addresses) can still be in torchrun's store, and a new rank that
+        # reads one connects to a dead port; a prefix per attempt keeps them apart.
+        store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(backend="nccl" if is_cuda else "gloo", timeout=timeout,
+                                store=dist.PrefixStore(f"aiayn/attempt_{attempt}", store),
+                                rank=rank, world_size=world_size)
     return DistContext(rank, world_size, local_rank), device
 
 

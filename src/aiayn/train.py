@@ -317,7 +317,13 @@ class Trainer:
         valid_path = self.data_dir / "valid.pt"
         self.valid_data = load_corpus(self.data_dir, "valid") if valid_path.exists() else None
         self.data_sha256 = sha256_file(self.data_dir / "train.pt")
-        ckpt_lib.check_run_dir(self.run_dir)
+        # Rank 0 owns the directory: it takes the lock before touching anything in it
+        # (resuming removes stale temp files, which must never be another trainer's).
+        self._lock: ckpt_lib.RunLock | None = None
+        if self.dist.is_main:
+            ckpt_lib.check_run_dir(self.run_dir)
+            self._lock = ckpt_lib.RunLock(self.run_dir).__enter__()
+        self.dist.barrier()
         torch.manual_seed(self.cfg.train.seed)  # the same initial weights for a given seed
         self.model = Transformer(self.cfg.model).to(self.device)
         # Under torchrun the forward pass goes through DDP, which averages the gradients;
@@ -337,8 +343,18 @@ class Trainer:
         self._last_batches: list[Batch] = []
         self._resume(reset_optimizer, reset_dataloader)
 
+    def close(self) -> None:
+        """Release the run directory (run() does this when it ends)."""
+        if self._lock is not None:
+            self._lock.__exit__(None, None, None)
+            self._lock = None
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
     def _resume(self, reset_optimizer: bool, reset_dataloader: bool) -> None:
-        found = ckpt_lib.latest_valid_checkpoint(self.run_dir)
+        found = ckpt_lib.latest_valid_checkpoint(self.run_dir, clean=self.dist.is_main)
         if found is None:
             return
         path, saved = found
@@ -653,8 +669,7 @@ class Trainer:
         consecutive_bad = 0
         recent_losses: list[float] = []  # for the divergence guard
         window = [0.0, 0.0, 0]  # loss and NLL sums, target tokens since the last log line
-        lock = ckpt_lib.RunLock(self.run_dir) if self.dist.is_main else contextlib.nullcontext()
-        with lock, _StopSignal() as stop:
+        with contextlib.closing(self), _StopSignal() as stop:
             while self.state.step < t.max_steps:
                 t0 = time.perf_counter()
                 stats = self._update(stream)
@@ -730,6 +745,7 @@ class Trainer:
                 self.state.step % t.valid_interval_steps):
             self._validate()
         self.dist.barrier()  # no rank leaves while rank 0 still writes
+        result.state = self.state  # a rollback replaces the state object
         return result
 
 
@@ -742,5 +758,6 @@ def train(cfg: Config, data_dir: str | Path, run_dir: str | Path, *, device: str
     try:
         return trainer.run()
     finally:
+        trainer.close()
         if trainer.dist.active:
             shutdown()
