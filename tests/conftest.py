@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 from collections.abc import Iterator
 from itertools import islice
@@ -49,3 +51,24 @@ def torchrun() -> list[str]:
     import sys
 
     return [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+
+
+# --------------------------------------------------------------------------- reliability report
+# With AIAYN_RELIABILITY_REPORT=FILE, every test marked `rows(...)` appends one JSON line:
+# its RELIABILITY.md rows, outcome, duration and what it recorded with record_property
+# (faults injected, steps lost, ...). scripts/reliability_report.py turns that into the
+# figures of the matrix's section 4.
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()
+    path = os.environ.get("AIAYN_RELIABILITY_REPORT")
+    marker = item.get_closest_marker("rows")
+    if not path or marker is None:
+        return
+    if report.when == "call" or (report.when == "setup" and not report.passed):
+        record = {"test": item.nodeid, "rows": list(marker.args), "outcome": report.outcome,
+                  "seconds": round(report.duration, 2),
+                  "properties": {k: v for k, v in item.user_properties}}
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record, default=str) + "\n")

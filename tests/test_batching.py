@@ -60,6 +60,7 @@ def test_batches_group_similar_lengths() -> None:
     assert order == sorted(range(len(src)), key=lambda i: (int(src[i]), int(tgt[i]), i))
 
 
+@pytest.mark.rows("A3", "D7")
 def test_every_index_once_and_long_pairs_alone() -> None:
     """RELIABILITY A3/D7: every pair is in exactly one batch per epoch; a pair over the
     budget forms its own batch instead of being dropped."""
@@ -72,6 +73,7 @@ def test_every_index_once_and_long_pairs_alone() -> None:
                          100, seed=0, epoch=0) == []
 
 
+@pytest.mark.rows("A3", "D7")
 def test_deterministic_per_seed_and_epoch() -> None:
     """RELIABILITY A3/D7: the order is a function of (seed, epoch) only, so a resumed run
     or another rank computes the same list; other epochs and seeds give other orders."""
@@ -86,6 +88,7 @@ def test_deterministic_per_seed_and_epoch() -> None:
     assert len(contents) > 1
 
 
+@pytest.mark.rows("D7")
 def test_rank_shards_partition_the_epoch() -> None:
     """RELIABILITY D7: with W ranks each gets the same number of batches, rank r takes
     batches r, r+W, ...; together they cover every pair, padding at most W-1 repeats."""

@@ -102,6 +102,7 @@ def python(code: str, *args: str, timeout: float = 60) -> subprocess.CompletedPr
 
 
 # --------------------------------------------------------------------------- save / load
+@pytest.mark.rows("B5")
 def test_round_trip_is_bitwise_and_weights_only(tmp_path: Path) -> None:
     """B5 and STYLE "save/load round-trips exactly": every tensor torch.equal, plain
     torch.load(weights_only=True) reads the file, the shared embedding (section 3.4) stays
@@ -120,6 +121,7 @@ def test_round_trip_is_bitwise_and_weights_only(tmp_path: Path) -> None:
     assert sidecar_path(path).read_text() == f"{files.sha256_file(path)}  c.pt\n"
 
 
+@pytest.mark.rows("B3")
 def test_manifest_is_written_after_the_checkpoint(tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """B3: the sha256 manifest is written after the file it describes."""
@@ -140,6 +142,7 @@ def test_manifest_is_written_after_the_checkpoint(tmp_path: Path,
     assert order == ["c.pt", "c.pt.sha256"]
 
 
+@pytest.mark.rows("C3")
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_non_finite_model_is_not_saved(tmp_path: Path, bad: float) -> None:
     """C3: a model with NaN/inf weights is refused; the last good checkpoint is kept."""
@@ -151,6 +154,7 @@ def test_non_finite_model_is_not_saved(tmp_path: Path, bad: float) -> None:
     assert tmp_files(tmp_path) == []
 
 
+@pytest.mark.rows("B5")
 def test_unplain_values_are_refused_at_save(tmp_path: Path) -> None:
     """B5, section 3 E1: a Namespace saves but fails under weights_only; refuse it at save."""
     ckpt = plain_ckpt({"w": torch.ones(3)})
@@ -161,6 +165,7 @@ def test_unplain_values_are_refused_at_save(tmp_path: Path) -> None:
     assert not (tmp_path / "c.pt").exists()
 
 
+@pytest.mark.rows("B3", "B5")
 def test_load_errors_name_the_file(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """B3/B5: missing file, wrong format, missing keys; a missing manifest only warns
     ("unverified")."""
@@ -200,11 +205,14 @@ class _FullDisk:
         return self.f.fileno()
 
 
+@pytest.mark.rows("B2")
 @pytest.mark.parametrize("where", ["write", "fsync"])
 def test_disk_full_keeps_previous_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                             where: str) -> None:
+                                             where: str,
+                                             record_property: pytest.RecordProperty) -> None:
     """B2: ENOSPC from write (or from fsync, as with delayed allocation) says "no space left",
     leaves the previous checkpoint and its manifest valid, and no temp file."""
+    record_property("faults", {"ENOSPC during a save": 1})
     path = tmp_path / "c.pt"
     save_checkpoint_file(path, plain_ckpt({"w": torch.ones(3)}, step=1))
     if where == "write":
@@ -246,10 +254,13 @@ except C.CheckpointError as e:
 """
 
 
-def test_file_size_limit_is_reported_as_file_too_large(tmp_path: Path) -> None:
+@pytest.mark.rows("B2")
+def test_file_size_limit_is_reported_as_file_too_large(
+        tmp_path: Path, record_property: pytest.RecordProperty) -> None:
     """B2, section 3 E3: under a soft RLIMIT_FSIZE (SIGXFSZ ignored) torch itself only says
     "enforce fail ... unexpected pos"; we say "file too large", keep the previous file and
     remove the temp file; the process exits non-zero."""
+    record_property("faults", {"file size limit during a save": 1})
     path = tmp_path / "c.pt"
     r = python(FSIZE_CHILD, str(path))
     assert r.returncode == 3, r.stderr
@@ -328,7 +339,8 @@ def _check_killed_run(run_dir: Path, trial: str) -> int:
     return had_tmp
 
 
-def _kill_trials(tmp_path: Path, mode: str, n: int) -> None:
+def _kill_trials(tmp_path: Path, mode: str, n: int, record: pytest.RecordProperty) -> None:
+    record("faults", {"kill -9 during a save": n})
     seed = random.randrange(1 << 30)
     r = python(KILL_HELPER, str(tmp_path), mode, str(n), str(seed), timeout=300)
     assert r.returncode == 0, r.stderr
@@ -344,19 +356,24 @@ def _kill_trials(tmp_path: Path, mode: str, n: int) -> None:
             _check_killed_run(run_dir, trial)
 
 
+@pytest.mark.rows("B1")
 @pytest.mark.parametrize(("mode", "n"), [("time", 5), ("bytes", 3)])
-def test_kill_during_save_never_leaves_partial_file(tmp_path: Path, mode: str, n: int) -> None:
+def test_kill_during_save_never_leaves_partial_file(tmp_path: Path, mode: str, n: int,
+                                                     record_property: pytest.RecordProperty,
+                                                     ) -> None:
     """B1, section 3 E2: writers SIGKILLed at random times, or after B random bytes of a
     checkpoint: every final name loads (the previous version or the new one, never part of
     one), and the next start removes the stale tmp and finds the newest valid checkpoint."""
-    _kill_trials(tmp_path, mode, n)
+    _kill_trials(tmp_path, mode, n, record_property)
 
 
+@pytest.mark.rows("B1")
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["time", "bytes"])
-def test_kill_during_save_20_trials(tmp_path: Path, mode: str) -> None:
+def test_kill_during_save_20_trials(tmp_path: Path, mode: str,
+                                    record_property: pytest.RecordProperty) -> None:
     """B1: the 20-trial version of the kill tests."""
-    _kill_trials(tmp_path, mode, 20)
+    _kill_trials(tmp_path, mode, 20, record_property)
 
 
 # --------------------------------------------------------------------------- B3 corruption
@@ -382,11 +399,14 @@ KINDS = {"truncated": "sha256 mismatch", "zero-length": "empty file",
          "random bytes": "sha256 mismatch", "flipped byte": "sha256 mismatch"}
 
 
+@pytest.mark.rows("B3")
 @pytest.mark.parametrize("kind", KINDS)
 def test_corrupt_checkpoint_refused_and_resume_falls_back(
-        tmp_path: Path, kind: str, caplog: pytest.LogCaptureFixture) -> None:
+        tmp_path: Path, kind: str, caplog: pytest.LogCaptureFixture,
+        record_property: pytest.RecordProperty) -> None:
     """B3, section 3 E1: truncated, zero-length, random bytes and one byte flipped inside
     tensor data are each refused naming the file; auto-resume falls back and says so."""
+    record_property("faults", {f"corrupt checkpoint ({kind})": 1})
     save_checkpoint(tmp_path, tiny_ckpt(step=100), keep_last=5)
     ckpt = tiny_ckpt(step=200, seed=1)
     save_checkpoint(tmp_path, ckpt, keep_last=5)
@@ -405,6 +425,7 @@ def test_corrupt_checkpoint_refused_and_resume_falls_back(
     assert "resuming from" in caplog.text
 
 
+@pytest.mark.rows("B3")
 @pytest.mark.parametrize("kind", ["truncated", "random bytes"])
 def test_corrupt_without_manifest_refused_by_name(tmp_path: Path, kind: str) -> None:
     """B3: without a manifest, torch's own error ("failed finding central directory",
@@ -417,6 +438,7 @@ def test_corrupt_without_manifest_refused_by_name(tmp_path: Path, kind: str) -> 
         load_checkpoint(path)
 
 
+@pytest.mark.rows("B3")
 def test_latest_valid_none_empty_and_error_when_all_invalid(tmp_path: Path) -> None:
     """B3: an empty run starts afresh (None); a run whose every checkpoint is invalid is an
     error naming them, not a silent restart from step 0."""
@@ -429,6 +451,7 @@ def test_latest_valid_none_empty_and_error_when_all_invalid(tmp_path: Path) -> N
 
 
 # --------------------------------------------------------------------------- run directory
+@pytest.mark.rows("A9")
 def test_check_run_dir_creates_or_fails_fast(tmp_path: Path) -> None:
     """A9: a missing save dir is created; one that cannot be written fails in < 5 s naming
     it (we run as root, so a regular file stands in for an unwritable directory)."""
@@ -442,6 +465,7 @@ def test_check_run_dir_creates_or_fails_fast(tmp_path: Path) -> None:
     assert time.monotonic() - t0 < 5
 
 
+@pytest.mark.rows("A9")
 def test_check_run_dir_read_only_directory(tmp_path: Path) -> None:
     """A9: a chmod 500 directory fails naming it (skipped where chmod does not bind, as for
     root)."""
@@ -460,6 +484,7 @@ def test_check_run_dir_read_only_directory(tmp_path: Path) -> None:
         d.chmod(0o700)
 
 
+@pytest.mark.rows("A10")
 def test_retention_keeps_last_k_plus_last(tmp_path: Path) -> None:
     """A10: keep_last=3 leaves at most 4 .pt files (3 numbered + checkpoint_last), each with
     its manifest; checkpoint_last.pt is a hard link to the newest."""
@@ -474,6 +499,7 @@ def test_retention_keeps_last_k_plus_last(tmp_path: Path) -> None:
     assert last.stat().st_ino == (tmp_path / "checkpoint_6.pt").stat().st_ino
 
 
+@pytest.mark.rows("A10", "B1")
 def test_last_falls_back_to_copy_without_hard_links(tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """A10/B1: where hard links fail, checkpoint_last.pt is a verified copy."""
@@ -486,6 +512,7 @@ def test_last_falls_back_to_copy_without_hard_links(tmp_path: Path,
     assert last.stat().st_ino != (tmp_path / "checkpoint_3.pt").stat().st_ino
 
 
+@pytest.mark.rows("A10")
 def test_failed_delete_is_logged_and_ignored(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                              caplog: pytest.LogCaptureFixture) -> None:
     """A10: deleting an old checkpoint fails; it is logged, saving goes on, the others are
@@ -530,6 +557,7 @@ with RunLock(sys.argv[1]):
 """
 
 
+@pytest.mark.rows("A11")
 def test_second_trainer_is_refused_naming_the_pid(tmp_path: Path) -> None:
     """A11: a second trainer on the same dir fails naming the dir and the holder's pid; the
     first is unaffected; after the holder is killed -9 the lock is free again."""
@@ -555,6 +583,7 @@ def test_second_trainer_is_refused_naming_the_pid(tmp_path: Path) -> None:
 
 
 # --------------------------------------------------------------------------- I averaging
+@pytest.mark.rows("I1")
 def test_average_of_copies_is_bitwise_the_original(tmp_path: Path) -> None:
     """I1, section 6.1: averaging 3 copies returns the original bit for bit (fp32, fp64,
     bf16, -0.0, ints), where summing and dividing would be 1 ulp off; B5 on the output."""
@@ -577,6 +606,7 @@ def test_average_of_copies_is_bitwise_the_original(tmp_path: Path) -> None:
     assert_same(avg, load_checkpoint(tmp_path / "avg.pt"))
 
 
+@pytest.mark.rows("I2")
 def test_average_matches_hand_computation(tmp_path: Path) -> None:
     """I2 (fairseq test_average_checkpoints): double, float, int and tied tensors; the tied
     pair is averaged once and still one tensor, after saving too; unequal ints refused."""
@@ -618,6 +648,7 @@ def _variant(tmp_path: Path, name: str, **change: Any) -> Path:
     return path
 
 
+@pytest.mark.rows("I3")
 @pytest.mark.parametrize(("change", "message", "forcible"), [
     pytest.param({"model": {"extra": torch.ones(1)}}, r"key 'extra' not in base\.pt", False,
                  id="extra-key"),
@@ -650,6 +681,7 @@ def test_mixing_runs_is_refused_naming_file_and_key(tmp_path: Path, change: dict
             average_checkpoints([base, other], force=True)
 
 
+@pytest.mark.rows("I4")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_is_accumulated_in_fp32(tmp_path: Path, dtype: torch.dtype) -> None:
     """I4: bf16/fp16 inputs are averaged in fp32 and returned in their own dtype. For
@@ -670,6 +702,7 @@ def test_half_precision_is_accumulated_in_fp32(tmp_path: Path, dtype: torch.dtyp
         assert not torch.equal((low[0] + low[1] + low[2]) / 3, expected[0])
 
 
+@pytest.mark.rows("I5")
 def test_averaging_streams_one_checkpoint_at_a_time(tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """I5: while averaging, each loaded checkpoint is released before the next is loaded
@@ -724,3 +757,34 @@ def test_list_last_of_a_short_run_averages_what_there_is(tmp_path: Path) -> None
         "checkpoint_50.pt", "checkpoint_100.pt", "checkpoint_150.pt", "checkpoint_200.pt"]
     with pytest.raises(CheckpointError, match="found 0"):
         list_last(tmp_path / "empty", 5, strict=False)
+
+
+@pytest.mark.rows("B4")
+def test_fsync_before_and_after_the_rename(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           ) -> None:
+    """B4 (checked in-process instead of with strace): the temp file is fsynced, then its
+    directory, then renamed over the final name, then the directory is fsynced again;
+    the manifest follows the same protocol after the checkpoint."""
+    calls: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        calls.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src: Any, dst: Any) -> None:
+        calls.append(("rename", f"{Path(src).name} -> {Path(dst).name}"))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    save_checkpoint_file(tmp_path / "c.pt", tiny_ckpt())
+    d, pid = str(tmp_path), os.getpid()
+    # (the checkpoint's temp file is fsynced twice: once early, to see a full disk before
+    # the old manifest goes, once by atomic_write)
+    calls = [c for i, c in enumerate(calls) if i == 0 or c != calls[i - 1]]
+    assert calls == [
+        ("fsync", f"{d}/.c.pt.{pid}.tmp"), ("fsync", d), ("rename", f".c.pt.{pid}.tmp -> c.pt"),
+        ("fsync", d),
+        ("fsync", f"{d}/.c.pt.sha256.{pid}.tmp"), ("fsync", d),
+        ("rename", f".c.pt.sha256.{pid}.tmp -> c.pt.sha256"), ("fsync", d)]

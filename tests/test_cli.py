@@ -149,6 +149,7 @@ def test_checkpoints_written_and_averaged(pipeline: Pipeline) -> None:
     assert pipeline.averaged.is_file()
 
 
+@pytest.mark.rows("F2", "F3")
 @needs_multi30k
 def test_translation_has_one_line_per_input_line(pipeline: Pipeline) -> None:
     """RELIABILITY F2, F3: one output line per input line; an empty one stays empty."""
@@ -159,6 +160,7 @@ def test_translation_has_one_line_per_input_line(pipeline: Pipeline) -> None:
     assert output[EMPTY_AT] == ""
 
 
+@pytest.mark.rows("F3")
 @needs_multi30k
 def test_translation_order_survives_length_sorted_batching(pipeline: Pipeline) -> None:
     """RELIABILITY F3: reversing the input reverses the output, line for line.
@@ -186,6 +188,7 @@ def test_translation_order_survives_length_sorted_batching(pipeline: Pipeline) -
     assert [s for _, s in bwd] == pytest.approx([s for _, s in fwd], abs=1e-4)
 
 
+@pytest.mark.rows("H2")
 @needs_multi30k
 def test_evaluate_json_has_bleu_with_signature(pipeline: Pipeline) -> None:
     """Section 6.1 / RELIABILITY H2: BLEU and chrF, each with its sacrebleu signature."""
@@ -215,6 +218,7 @@ def assert_one_line_error(err: str, *fragments: str) -> None:
         assert fragment in errors[0], errors[0]
 
 
+@pytest.mark.rows("J1")
 def test_unknown_set_key_names_the_closest_key(tmp_path: Path) -> None:
     """RELIABILITY J1: an unknown key is an error naming the closest valid key; no work."""
     code, _, err = run("train", tmp_path / "data", "--out", tmp_path / "run", "--preset",
@@ -224,6 +228,7 @@ def test_unknown_set_key_names_the_closest_key(tmp_path: Path) -> None:
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.rows("E1")
 def test_prepare_with_mismatched_line_counts_names_both_files(tmp_path: Path) -> None:
     """RELIABILITY E1: sides of different lengths are refused, naming both files."""
     write_lines(tmp_path / "corpus.en", ["a house", "a dog", "a cat"])
@@ -235,6 +240,7 @@ def test_prepare_with_mismatched_line_counts_names_both_files(tmp_path: Path) ->
     assert not (tmp_path / "prep").exists()
 
 
+@pytest.mark.rows("H1")
 def test_evaluate_with_mismatched_line_counts_names_both_files(tmp_path: Path) -> None:
     """RELIABILITY H1: BLEU of misaligned files is refused (the sacrebleu API would score it)."""
     hyp = write_lines(tmp_path / "hyp.de", ["ein Haus"])
@@ -244,6 +250,7 @@ def test_evaluate_with_mismatched_line_counts_names_both_files(tmp_path: Path) -
     assert_one_line_error(err, "hyp.de has 1 lines", "ref.de has 3 lines")
 
 
+@pytest.mark.rows("F12", "J1")
 @pytest.mark.parametrize(("argv", "fragment"), [
     (["translate", "--checkpoint", "{tmp}/missing.pt"], "missing.pt"),
     (["data", "multi30k", "--from", "{tmp}", "--out", "{tmp}/out", "--splits", "trian"],
@@ -256,3 +263,31 @@ def test_bad_arguments_exit_non_zero_with_one_line(tmp_path: Path, argv: list[st
     code, _, err = run(*(a.format(tmp=tmp_path) for a in argv))
     assert code != 0
     assert_one_line_error(err, fragment)
+
+
+@pytest.mark.rows("J3")
+def test_conflicting_flags_are_an_error(tmp_path: Path) -> None:
+    """RELIABILITY J3: a preset and an experiment file name two different bases: exit 2
+    naming both flags, nothing written."""
+    exp = tmp_path / "exp.toml"
+    exp.write_text('preset = "tiny"\n[train]\nmax_steps = 5\n', encoding="utf-8")
+    with pytest.raises(SystemExit) as e:
+        run("train", tmp_path, "--out", tmp_path / "run", "--preset", "base", "--config", exp)
+    assert e.value.code == 2
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.rows("J4")
+def test_dump_config_shows_file_then_flags(tmp_path: Path) -> None:
+    """RELIABILITY J4: --dump-config prints the effective config: the preset, then the
+    experiment file, then --set flags (which win); no training is done."""
+    exp = tmp_path / "exp.toml"
+    exp.write_text('preset = "tiny"\n[model]\nP_drop = 0.3\n[train]\nmax_steps = 5\n'
+                   'warmup_steps = 77\n', encoding="utf-8")
+    out = ok("train", tmp_path, "--out", tmp_path / "run", "--config", exp,
+             "--set", "max_steps=9", "--dump-config")
+    cfg = json.loads(out)
+    assert cfg["model"]["P_drop"] == 0.3 and cfg["train"]["warmup_steps"] == 77
+    assert cfg["train"]["max_steps"] == 9  # the flag beats the file
+    assert cfg["model"]["d_model"] == 256  # the preset fills the rest
+    assert not (tmp_path / "run").exists()

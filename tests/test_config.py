@@ -37,6 +37,7 @@ def test_rows_change_only_what_table3_changes():
         assert PRESETS[name].model.h * PRESETS[name].model.d_k == 512
 
 
+@pytest.mark.rows("J4")
 def test_overrides_and_round_trip():
     """Overrides by section.key or bare key; the stored dict rebuilds the same config (J4)."""
     cfg = apply_overrides(get_preset("tiny"), {"model.N": "2", "eps_ls": "0.2", "beam": 5,
@@ -46,6 +47,7 @@ def test_overrides_and_round_trip():
     assert Config.from_dict(cfg.to_dict()) == cfg
 
 
+@pytest.mark.rows("J1")
 def test_unknown_key_names_the_closest():
     """J1: an unknown key is an error naming the closest valid key."""
     with pytest.raises(ConfigError, match="learnig_rate|warmup"):
@@ -56,6 +58,7 @@ def test_unknown_key_names_the_closest():
         get_preset("tinny")
 
 
+@pytest.mark.rows("J2")
 @pytest.mark.parametrize("key,value,match", [
     ("P_drop", "1.5", "P_drop"), ("warmup_steps", "abc", "warmup_steps"),
     ("beam", "0", "beam"), ("lr_scale", "-1", "lr_scale"), ("N", "2.5", "N"),

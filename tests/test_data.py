@@ -83,6 +83,7 @@ def test_manifest_and_outputs(raw: Path, tmp_path: Path,
         assert tok.decode(valid.tgt(i)) == tok.normalize(corpus_text["de"][N_TRAIN + i])
 
 
+@pytest.mark.rows("E1")
 def test_mismatched_line_counts_rejected_before_work(tmp_path: Path) -> None:
     """E1: 1000 source lines vs 999 target lines is refused before anything is written,
     naming both files, both counts and the first line past the shorter file."""
@@ -101,6 +102,7 @@ def test_missing_inputs_name_both_candidates(tmp_path: Path) -> None:
         prepare("en", "de", tmp_path / "train", out=tmp_path / "out")
 
 
+@pytest.mark.rows("E2")
 def test_empty_lines_dropped_counted_and_logged(raw: Path, tmp_path: Path,
                                                 caplog: pytest.LogCaptureFixture) -> None:
     """E2: empty or whitespace-only lines on either side drop the pair, are counted, and
@@ -127,6 +129,7 @@ def test_empty_lines_dropped_counted_and_logged(raw: Path, tmp_path: Path,
         _prepare(raw, tmp_path / "out2", on_empty="error")
 
 
+@pytest.mark.rows("E3")
 def test_invalid_utf8_names_file_line_and_byte(raw: Path, tmp_path: Path) -> None:
     """E3: a Latin-1 byte (\\xe9) at line 7 is an error naming the file, line and byte;
     on_bad_utf8="skip" drops and counts that pair instead."""
@@ -142,6 +145,7 @@ def test_invalid_utf8_names_file_line_and_byte(raw: Path, tmp_path: Path) -> Non
     assert 7 not in load_corpus(tmp_path / "out", "valid").line_numbers.tolist()
 
 
+@pytest.mark.rows("E4")
 def test_line_counting_agrees_with_wc(raw: Path, tmp_path: Path) -> None:
     """E4: stray \\r, U+2028, U+0085, NUL, a BOM and no final newline: lines are split on
     \\n only, so counts agree with `wc -l` (plus the unterminated last line)."""
@@ -161,6 +165,7 @@ def test_line_counting_agrees_with_wc(raw: Path, tmp_path: Path) -> None:
     assert tok.decode(valid.src(0)) == "a b c d"  # BOM gone, \r inside the line kept as space
 
 
+@pytest.mark.rows("E5")
 def test_length_filter_counts_and_failure(raw: Path, tmp_path: Path,
                                           caplog: pytest.LogCaptureFixture) -> None:
     """E5: training pairs over max_len or over the length ratio are dropped with
@@ -188,6 +193,7 @@ def test_length_filter_counts_and_failure(raw: Path, tmp_path: Path,
     assert len(load_corpus(tmp_path / "out", "train")) == 400
 
 
+@pytest.mark.rows("E7")
 def test_unk_rate_reported_and_warned(raw: Path, tmp_path: Path,
                                       caplog: pytest.LogCaptureFixture) -> None:
     """E7: the <unk> rate is recorded per side and warned about above 1%."""
@@ -201,6 +207,7 @@ def test_unk_rate_reported_and_warned(raw: Path, tmp_path: Path,
     assert "<unk>" in caplog.text and "src" in caplog.text
 
 
+@pytest.mark.rows("E8")
 def test_rerun_is_byte_identical_and_kill_leaves_no_manifest(
         raw: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """E8: re-running gives byte-identical outputs; a run killed while writing leaves no
@@ -235,6 +242,7 @@ def test_rerun_is_byte_identical_and_kill_leaves_no_manifest(
         assert (first / name).read_bytes() == (second / name).read_bytes(), name
 
 
+@pytest.mark.rows("F10", "F11")
 def test_loading_checks_hashes(raw: Path, tmp_path: Path) -> None:
     """RELIABILITY F10/F11: a vocabulary or split changed after prepare is refused with
     the expected and found sha256; a split never prepared is named."""

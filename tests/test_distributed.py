@@ -103,10 +103,13 @@ def two_rank_run(small_data: Path, tmp_path_factory: pytest.TempPathFactory,
 @pytest.mark.rows("D1")
 def test_killed_rank_restarts_and_resumes_bitwise(small_data: Path, tmp_path: Path,
                                                   two_rank_run: Path,
-                                                  torchrun: list[str]) -> None:
+                                                  torchrun: list[str],
+                                                  record_property: pytest.RecordProperty) -> None:
     """D1 (section 3 E5): rank 1 SIGKILLs itself as step 8 starts; torchrun
     --max-restarts=1 restarts both ranks, which resume from the step-6 checkpoint; losses
     and final weights, optimizer and counters are bitwise those of the uninterrupted run."""
+    record_property("faults", {'rank kill -9 (torchrun restart)': 1})
+    record_property("steps_lost", [1])
     run = tmp_path / "run"
     t0 = time.monotonic()
     proc = torchrun_train(torchrun, small_data, run, RESUME, extra=("--max-restarts=1",),
@@ -176,9 +179,11 @@ def test_one_rank_checkpoint_resumes_on_two_ranks(small_data: Path, tmp_path: Pa
 
 @pytest.mark.rows("D4")
 def test_a_failing_rank_ends_the_job_quickly(small_data: Path, tmp_path: Path,
-                                             torchrun: list[str]) -> None:
+                                             torchrun: list[str],
+                                             record_property: pytest.RecordProperty) -> None:
     """D4 (section 3 E6): rank 1 raises at step 5 while rank 0 waits in the all-reduce:
     the job exits non-zero within 30 s of the failure, with rank 1's traceback."""
+    record_property("faults", {'rank exception': 1})
     t0 = time.monotonic()
     proc = torchrun_train(torchrun, small_data, tmp_path / "run",
                           {**SMALL, "max_steps": 10}, faults="raise_at_step=5,rank=1")
@@ -196,10 +201,12 @@ def test_a_failing_rank_ends_the_job_quickly(small_data: Path, tmp_path: Path,
 ])
 def test_a_rank_never_falls_out_of_step_silently(small_data: Path, tmp_path: Path,
                                                  torchrun: list[str], faults: str,
-                                                 message: str) -> None:
+                                                 message: str,
+                                                 record_property: pytest.RecordProperty) -> None:
     """D5 (section 3 E7): a rank cannot skip a step alone (an out-of-memory batch on one
     rank ends the job instead), and weights that differ between ranks are caught by the
     cross-rank checksum at the next save: the job fails, never reports success."""
+    record_property("faults", {'rank OOM / rank weights drift': 1})
     run = tmp_path / "run"
     proc = torchrun_train(torchrun, small_data, run, {**SMALL, "max_steps": 6}, faults=faults)
     assert proc.returncode != 0
@@ -209,9 +216,11 @@ def test_a_rank_never_falls_out_of_step_silently(small_data: Path, tmp_path: Pat
 
 @pytest.mark.rows("D6")
 def test_a_hung_rank_times_out(small_data: Path, tmp_path: Path,
-                               torchrun: list[str]) -> None:
+                               torchrun: list[str],
+                               record_property: pytest.RecordProperty) -> None:
     """D6: rank 1 sleeps for ever at step 3; with AIAYN_DIST_TIMEOUT_S=10 rank 0's
     collective times out and the job exits non-zero instead of hanging."""
+    record_property("faults", {'rank hang': 1})
     t0 = time.monotonic()
     proc = torchrun_train(torchrun, small_data, tmp_path / "run", {**SMALL, "max_steps": 6},
                           faults="hang_at_step=3,rank=1", env={"AIAYN_DIST_TIMEOUT_S": "10"},

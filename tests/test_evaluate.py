@@ -45,6 +45,7 @@ def test_perfect_hypothesis_scores_100() -> None:
     assert s.n_lines == 3
 
 
+@pytest.mark.rows("H2")
 def test_signatures_present() -> None:
     """H2: every score carries its full signature, and format() prints each of them."""
     s = score([_drop_words(r, i) for i, r in enumerate(REFS)], REFS, "de")
@@ -64,12 +65,14 @@ def test_signatures_present() -> None:
     assert Scores(**d) == s
 
 
+@pytest.mark.rows("H3")
 def test_deterministic() -> None:
     """H3: the same input scored twice gives identical scores and signatures."""
     hyps = [_drop_words(r, i) for i, r in enumerate(REFS)]
     assert score(hyps, REFS, "de").to_dict() == score(hyps, REFS, "de").to_dict()
 
 
+@pytest.mark.rows("H3")
 @pytest.mark.skipif(not (MULTI30K / "val.de.gz").exists(), reason="Multi30k data missing")
 def test_api_equals_cli(tmp_path: Path) -> None:
     """H3: our scores and signatures equal the sacrebleu CLI's on real Multi30k lines."""
@@ -117,6 +120,7 @@ def test_tok_bleu_ignores_case_sacrebleu_does_not() -> None:
     assert s.sacrebleu < 50
 
 
+@pytest.mark.rows("H1")
 def test_line_count_mismatch_names_both_files(tmp_path: Path) -> None:
     """H1: differing line counts are an error naming both files and both counts."""
     # why the check is ours: the sacrebleu API scores 1 hypothesis vs 3 references as 100
@@ -132,6 +136,7 @@ def test_line_count_mismatch_names_both_files(tmp_path: Path) -> None:
         score(REFS[:1], REFS, "de")
 
 
+@pytest.mark.rows("H4")
 def test_empty_hypotheses_kept(tmp_path: Path) -> None:
     """H4: empty hypotheses are kept and scored: all empty gives 0, alignment is intact."""
     s = score(["", "", ""], REFS, "de")
@@ -145,6 +150,7 @@ def test_empty_hypotheses_kept(tmp_path: Path) -> None:
     assert s.sacrebleu != sacrebleu.corpus_bleu([REFS[1]], [REFS[:1]]).score
 
 
+@pytest.mark.rows("H5")
 def test_invalid_utf8_names_file_and_line(tmp_path: Path) -> None:
     """H5: invalid UTF-8 in the hypotheses is an error naming the file and the line."""
     hyp = tmp_path / "hyp.de"
@@ -154,6 +160,7 @@ def test_invalid_utf8_names_file_and_line(tmp_path: Path) -> None:
         score_files(hyp, ref)
 
 
+@pytest.mark.rows("H2")
 @pytest.mark.parametrize("bad", ["▁Ein ▁Mann", "Ein Ma@@ nn"])
 def test_subword_markers_rejected(bad: str, tmp_path: Path) -> None:
     """H2: BLEU is computed on detokenized text with subwords removed."""
@@ -167,6 +174,7 @@ def test_subword_markers_rejected(bad: str, tmp_path: Path) -> None:
         score_files(hyp, ref)
 
 
+@pytest.mark.rows("H2")
 def test_tokenized_input_warning_shown(caplog: pytest.LogCaptureFixture) -> None:
     """H2: sacrebleu's warning for output that looks tokenized reaches the log."""
     hyps = [f"Ein Mann sitzt auf Bank {i} ." for i in range(100)]
@@ -196,3 +204,27 @@ def test_perplexity() -> None:
     assert perplexity(1e6, 1) == math.inf
     with pytest.raises(ValueError, match="n_tokens"):
         perplexity(1.0, 0)
+
+
+@pytest.mark.rows("H6")
+def test_bootstrap_interval_is_seeded_and_in_the_signature(tmp_path: Path) -> None:
+    """H6: the bootstrap confidence interval uses sacrebleu's fixed seed, recorded in the
+    signature (bs:N|seed:12345); the same files give the same interval twice, and it
+    agrees with sacrebleu's own CLI (--confidence)."""
+    refs = list(read_lines(MULTI30K / "val.de.gz"))[:100] if MULTI30K.is_dir() else REFS * 30
+    hyps = [_drop_words(r, i) for i, r in enumerate(refs)]
+    a = score(hyps, refs, "de", bootstrap=200)
+    b = score(hyps, refs, "de", bootstrap=200)
+    assert a.sacrebleu_ci is not None and a.sacrebleu_ci > 0 and a == b
+    assert "bs:200|seed:12345" in a.sacrebleu_signature
+    assert "+- " in a.format()
+    assert score(hyps, refs, "de").sacrebleu_ci is None
+    hyp, ref = _write(tmp_path / "hyp.de", hyps), _write(tmp_path / "ref.de", refs)
+    cli = json.loads(subprocess.run(
+        [sys.executable, "-m", "sacrebleu", str(ref), "-i", str(hyp), "-m", "bleu",
+         "--confidence", "--confidence-n", "200", "-w", "2"],
+        capture_output=True, text=True, check=True).stdout)
+    assert cli["signature"] == a.sacrebleu_signature
+    assert cli["confidence"].endswith(f"± {a.sacrebleu_ci:.2f}")
+    with pytest.raises(ValueError, match="bootstrap"):
+        score(hyps, refs, "de", bootstrap=1)

@@ -66,9 +66,11 @@ def test_fault_spec_is_parsed_strictly(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.rows("C1")
 def test_nan_loss_skips_the_step_and_leaves_everything_untouched(
-        small_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        small_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        record_property: pytest.RecordProperty) -> None:
     """C1: a NaN loss at step 3: parameters and optimizer state bitwise unchanged, the
     skip counted and logged, training goes on to max_steps."""
+    record_property("faults", {'NaN loss': 1})
     monkeypatch.setenv("AIAYN_FAULTS", "nan_at_step=3")
     run = tmp_path / "run"
     t = Trainer(cfg(), small_data, run)
@@ -102,10 +104,12 @@ def test_skipped_nan_step_is_logged_by_the_loop(small_data: Path, tmp_path: Path
 ])
 def test_repeated_nan_stops_with_crash_file_naming_the_module(
         small_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-        capsys: pytest.CaptureFixture[str], module: str | None, named: str) -> None:
+        capsys: pytest.CaptureFixture[str], module: str | None, named: str,
+        record_property: pytest.RecordProperty) -> None:
     """C2: NaN on 5 consecutive attempts at step 5: non-zero exit; crash-5.pt holds the
     last good model (step 4) and is not a checkpoint; the checkpoints are untouched; the
     message names the first module with a non-finite output (or says none has one)."""
+    record_property("faults", {'NaN on 5 consecutive steps': 1})
     spec = "nan_at_step=5,nan_times=5" + (f",nan_module={module}" if module else "")
     monkeypatch.setenv("AIAYN_FAULTS", spec)
     run = tmp_path / "run"
@@ -125,11 +129,13 @@ def test_repeated_nan_stops_with_crash_file_naming_the_module(
 
 @pytest.mark.rows("C4")
 def test_loss_spike_rolls_back_with_a_lower_learning_rate(
-        small_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        small_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        record_property: pytest.RecordProperty) -> None:
     """C4: the LR multiplied by 1000 for 10 steps from step 31 sends the loss up without
     NaN; the divergence guard rolls back to the last checkpoint before the spike, halves
     the learning rate, logs it, and the run finishes with a loss back at the pre-spike
     level. The same run without the guard ends far worse (the control)."""
+    record_property("faults", {'loss spike (LR x1000)': 1})
     over = {"max_steps": 60, "save_interval_steps": 10, "divergence_window": 20,
             "divergence_short": 3, "warmup_steps": 20}
     monkeypatch.setenv("AIAYN_FAULTS", "lr_mult=1000,lr_mult_at_step=31,lr_mult_steps=10")
@@ -159,9 +165,11 @@ def test_divergence_stop_mode_ends_the_run(small_data: Path, tmp_path: Path,
 
 @pytest.mark.rows("C6")
 def test_oom_on_one_batch_is_skipped_and_logged(small_data: Path, tmp_path: Path,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
+                                                monkeypatch: pytest.MonkeyPatch,
+        record_property: pytest.RecordProperty) -> None:
     """C6: an out-of-memory error on step 3's batch: that batch is skipped and logged with
     its shape and token count, counted, and training reaches max_steps."""
+    record_property("faults", {'OOM on one batch': 1})
     monkeypatch.setenv("AIAYN_FAULTS", "oom_at_step=3")
     run = tmp_path / "run"
     result = train(cfg(), small_data, run)
@@ -173,9 +181,11 @@ def test_oom_on_one_batch_is_skipped_and_logged(small_data: Path, tmp_path: Path
 
 @pytest.mark.rows("C6")
 def test_oom_twice_on_the_same_batch_is_fatal(small_data: Path, tmp_path: Path,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+                                              monkeypatch: pytest.MonkeyPatch,
+        record_property: pytest.RecordProperty) -> None:
     """C6: the same batch running out of memory again (as after a rollback) stops the run
     with advice, instead of skipping it for ever."""
+    record_property("faults", {'OOM twice on one batch': 1})
     monkeypatch.setenv("AIAYN_FAULTS", "oom_at_step=1,oom_times=2")
     t = Trainer(cfg(), small_data, tmp_path / "run")
     item = next(t._batch_stream())

@@ -96,7 +96,7 @@ def baseline(small_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
     return run
 
 
-def _kill_and_resume(small_data: Path, baseline: Path, run: Path, kill_at: int) -> None:
+def _kill_and_resume(small_data: Path, baseline: Path, run: Path, kill_at: int) -> int:
     killed = cli_train(small_data, run, faults=f"kill_at_step={kill_at}", check=False)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     saved_before = (kill_at - 1) // K * K  # newest checkpoint the killed run wrote
@@ -112,27 +112,33 @@ def _kill_and_resume(small_data: Path, baseline: Path, run: Path, kill_at: int) 
     for step, loss in seen:  # first passes and replays alike
         assert loss == base[step], (kill_at, step)
     assert_bitwise(final_state(baseline), final_state(run), f"kill at {kill_at}")
+    return lost
 
 
 @pytest.mark.rows("A1")
-def test_kill_9_and_rerun_is_bitwise_equal(small_data: Path, baseline: Path,
-                                           tmp_path: Path) -> None:
+def test_kill_9_and_rerun_is_bitwise_equal(small_data: Path, baseline: Path, tmp_path: Path,
+                                           record_property: pytest.RecordProperty) -> None:
     """A1: `kill -9` at random steps (3 draws here, 20 in the slow test), then the same
     command: auto-resume from the newest checkpoint, bitwise equal losses, weights,
     optimizer and counters; fewer than save-interval steps redone."""
     rng = random.Random()
     draws = [rng.randrange(2, SMALL["max_steps"] + 1) for _ in range(3)]
-    for i, kill_at in enumerate(draws):
-        _kill_and_resume(small_data, baseline, tmp_path / f"r{i}", kill_at)
+    lost = [_kill_and_resume(small_data, baseline, tmp_path / f"r{i}", kill_at)
+            for i, kill_at in enumerate(draws)]
+    record_property("faults", {"kill -9 during a step": len(draws)})
+    record_property("steps_lost", lost)
 
 
 @pytest.mark.slow
 @pytest.mark.rows("A1")
-def test_kill_9_and_rerun_20_draws(small_data: Path, baseline: Path, tmp_path: Path) -> None:
+def test_kill_9_and_rerun_20_draws(small_data: Path, baseline: Path, tmp_path: Path,
+                                   record_property: pytest.RecordProperty) -> None:
     """A1 with the matrix's 20 random kill steps."""
     rng = random.Random()
-    for i in range(20):
-        _kill_and_resume(small_data, baseline, tmp_path / f"r{i}", rng.randrange(2, 41))
+    lost = [_kill_and_resume(small_data, baseline, tmp_path / f"r{i}", rng.randrange(2, 41))
+            for i in range(20)]
+    record_property("faults", {"kill -9 during a step": 20})
+    record_property("steps_lost", lost)
 
 
 def _crash_at(data: Path, run: Path, step: int, monkeypatch: pytest.MonkeyPatch,
@@ -238,7 +244,9 @@ def test_patience_stops_after_validations_without_improvement(small_data: Path,
 @pytest.mark.rows("A5")
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_signal_finishes_the_step_saves_and_exits(small_data: Path, tmp_path: Path,
-                                                  sig: signal.Signals, code: int) -> None:
+                                                  sig: signal.Signals, code: int,
+                                                  record_property: pytest.RecordProperty,
+                                                  ) -> None:
     """A5: SIGTERM / SIGINT: the step finishes, a checkpoint is written, the process exits
     with 128 + signal number within 60 s, and the resume redoes no step."""
     run = tmp_path / "run"
@@ -260,6 +268,8 @@ def test_signal_finishes_the_step_saves_and_exits(small_data: Path, tmp_path: Pa
     assert f"stopped ({sig.name})" in out
     last = max(s for s, _ in step_losses(run))
     assert load_checkpoint(run / "checkpoint_last.pt")["step"] == last  # 0 steps lost
+    record_property("faults", {sig.name: 1})
+    record_property("steps_lost", [0])
 
 
 @pytest.mark.rows("A6")

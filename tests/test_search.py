@@ -134,6 +134,7 @@ def test_max_output_len_is_input_plus_50() -> None:
     assert max_output_len(0, 2.0, 1) == 1
 
 
+@pytest.mark.rows("F14")
 @pytest.mark.parametrize(("kwargs", "option"), [
     ({"beam": 0}, "beam"),
     ({"beam": 2, "nbest": 3}, "nbest"),
@@ -306,6 +307,7 @@ def test_beam_1_equals_greedy_on_random_model(model_fn) -> None:
         assert any(len(g) < c for g, c in zip(greedy, caps, strict=True))
 
 
+@pytest.mark.rows("F5")
 def test_untrained_model_stops_at_the_length_cap() -> None:
     """RELIABILITY F5: a model that never emits EOS terminates, and every output has
     exactly floor(a * src_len + b) tokens (src_len counts the source's EOS)."""
@@ -325,6 +327,7 @@ def test_untrained_model_stops_at_the_length_cap() -> None:
     assert [[len(h.tokens) for h in sent] for sent in hyps] == [[c] * 4 for c in caps]
 
 
+@pytest.mark.rows("F6")
 @pytest.mark.parametrize("model_fn", [tiny_model, eos_ramp_model], ids=["plain", "eos_ramp"])
 def test_output_does_not_depend_on_batch_composition(model_fn) -> None:
     """RELIABILITY F6 (CPU fp32): each sentence translated alone, unpadded, gives the same

@@ -40,6 +40,7 @@ def tok(train_files: list[Path], tmp_path_factory: pytest.TempPathFactory) -> To
     return Tokenizer.train(train_files, 1000, tmp_path_factory.mktemp("m") / "spm.model")
 
 
+@pytest.mark.rows("E6")
 @needs_multi30k
 def test_roundtrip_on_training_lines(tok: Tokenizer, train_files: list[Path],
                                      record_property: pytest.RecordProperty) -> None:
@@ -56,6 +57,7 @@ def test_roundtrip_on_training_lines(tok: Tokenizer, train_files: list[Path],
         assert tok.decode(tok.encode(x)) == " ".join(x.split())
 
 
+@pytest.mark.rows("E6")
 @needs_multi30k
 def test_training_is_deterministic(train_files: list[Path], tmp_path: Path) -> None:
     """E6: learning the vocabulary twice on the same data gives byte-identical models;
@@ -86,6 +88,7 @@ def test_special_ids_and_shared_vocabulary(tok: Tokenizer) -> None:
         tok.decode([tok.vocab_size])
 
 
+@pytest.mark.rows("F10")
 @needs_multi30k
 def test_bytes_round_trip(tok: Tokenizer, tmp_path: Path) -> None:
     """Checkpoints carry the vocabulary as bytes (RELIABILITY F10): from_bytes(to_bytes())
@@ -99,6 +102,7 @@ def test_bytes_round_trip(tok: Tokenizer, tmp_path: Path) -> None:
     assert loaded.encode(text) == tok.encode(text)
 
 
+@pytest.mark.rows("F12")
 def test_bad_models_are_refused(tmp_path: Path) -> None:
     """RELIABILITY F12: a missing or corrupt model file is an error naming the path; a
     model with sentencepiece's default special ids (unk 0, bos 1, eos 2) is refused."""
@@ -115,6 +119,7 @@ def test_bad_models_are_refused(tmp_path: Path) -> None:
         Tokenizer.load(tmp_path / "d.model")
 
 
+@pytest.mark.rows("E4")
 def test_training_on_odd_text_and_bad_sizes(tmp_path: Path) -> None:
     """RELIABILITY E4: text with \\r and U+2028 inside lines trains and round-trips up to
     normalisation; an impossible vocabulary size is a clear error, not a crash."""

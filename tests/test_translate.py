@@ -78,12 +78,14 @@ def sentences(n: int, seed: int = 0) -> list[str]:
 
 
 # ------------------------------------------------------------------------- lines
+@pytest.mark.rows("F1")
 def test_empty_input_gives_empty_output(model: EosRamp) -> None:
     """RELIABILITY F1: no input lines -> [] (CTranslate2's choice), the model unused."""
     assert translate_lines(model, TOK, [], CFG) == []
     assert model.encoded == 0
 
 
+@pytest.mark.rows("F2")
 def test_blank_lines_keep_their_positions_and_skip_the_model(model: EosRamp) -> None:
     """RELIABILITY F2: empty and whitespace-only lines give "" at their positions and are
     not fed to the model; the other lines translate as they would alone."""
@@ -96,6 +98,7 @@ def test_blank_lines_keep_their_positions_and_skip_the_model(model: EosRamp) -> 
     assert all(out[i] for i in (0, 3, 5))
 
 
+@pytest.mark.rows("F3")
 def test_count_and_order_preserved_with_sorted_batching(model: EosRamp) -> None:
     """RELIABILITY F3: one output per input, in input order, although batches are sorted
     by length (each line's output equals its output when translated alone)."""
@@ -106,6 +109,7 @@ def test_count_and_order_preserved_with_sorted_batching(model: EosRamp) -> None:
     assert len(set(out)) > len(out) // 2  # outputs differ, so a permutation would show
 
 
+@pytest.mark.rows("F4")
 def test_long_line_truncated_with_warning_naming_it(model: EosRamp,
                                                     caplog: pytest.LogCaptureFixture) -> None:
     """RELIABILITY F4: a line over max_input_len subwords is truncated, with a warning
@@ -122,6 +126,7 @@ def test_long_line_truncated_with_warning_naming_it(model: EosRamp,
     assert out == translate_lines(model, TOK, [lines[0], lines[1], truncated, lines[3]], CFG)
 
 
+@pytest.mark.rows("F6")
 def test_batch_size_does_not_change_outputs(model: EosRamp) -> None:
     """RELIABILITY F6 (CPU fp32): batches of 1 sentence, a few, and all give identical
     output strings."""
@@ -143,6 +148,7 @@ def test_batches_respect_the_token_budget() -> None:
     assert batches[1] == [1, 3]  # equal lengths keep input order
 
 
+@pytest.mark.rows("F7")
 def test_run_twice_identical(model: EosRamp, tmp_path: Path) -> None:
     """RELIABILITY F7: the same input translated twice gives byte-identical output."""
     src = tmp_path / "in.txt"
@@ -152,6 +158,7 @@ def test_run_twice_identical(model: EosRamp, tmp_path: Path) -> None:
     assert (tmp_path / "a.txt").read_bytes() == (tmp_path / "b.txt").read_bytes()
 
 
+@pytest.mark.rows("F14")
 @pytest.mark.parametrize(("change", "option"), [
     ({"beam": 0}, "beam"),
     ({"alpha": -0.6}, "alpha"),
@@ -175,6 +182,7 @@ def test_nbest_lists_are_sorted_and_distinct(model: EosRamp) -> None:
 
 
 # ------------------------------------------------------------------------- files
+@pytest.mark.rows("F2", "F3", "F13")
 def test_translate_file_summary_and_line_count(model: EosRamp, tmp_path: Path) -> None:
     """RELIABILITY F2/F3/F13: the output file has one line per input line, blank lines
     blank, no temporary file left; the summary counts lines, blanks and truncations."""
@@ -192,6 +200,7 @@ def test_translate_file_summary_and_line_count(model: EosRamp, tmp_path: Path) -
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
 
 
+@pytest.mark.rows("F1")
 def test_empty_file_gives_empty_output_and_warning(model: EosRamp, tmp_path: Path,
                                                    caplog: pytest.LogCaptureFixture) -> None:
     """RELIABILITY F1: an empty input file gives an empty output file and a warning."""
@@ -204,6 +213,7 @@ def test_empty_file_gives_empty_output_and_warning(model: EosRamp, tmp_path: Pat
     assert "empty input" in caplog.text
 
 
+@pytest.mark.rows("F9")
 def test_bad_utf8_replaced_counted_and_partial(model: EosRamp, tmp_path: Path,
                                                caplog: pytest.LogCaptureFixture) -> None:
     """RELIABILITY F9: an invalid UTF-8 line is replaced (U+FFFD), warned about with its
@@ -217,6 +227,7 @@ def test_bad_utf8_replaced_counted_and_partial(model: EosRamp, tmp_path: Path,
     assert len(out.read_text(encoding="utf-8").splitlines()) == 3
 
 
+@pytest.mark.rows("E4", "F3")
 def test_lines_split_on_newline_only() -> None:
     """RELIABILITY E4/F3: lines split on b"\\n" only, so a stray \\r or U+2028 stays inside
     its line and the count agrees with `wc -l`; a BOM is dropped."""
@@ -224,6 +235,7 @@ def test_lines_split_on_newline_only() -> None:
     assert lines == ["a\rb", "c\u2028d", "e"] and bad == []
 
 
+@pytest.mark.rows("F13")
 def test_failed_translation_leaves_existing_output_untouched(model: EosRamp,
                                                              tmp_path: Path) -> None:
     """RELIABILITY F13: a crash while translating never leaves a half-written output."""
@@ -255,3 +267,25 @@ def test_stdin_to_stdout_with_nbest_format(model: EosRamp, monkeypatch: pytest.M
     assert [rows[0][1], rows[3][1]] == [best[0], best[2]]
     assert float(rows[0][2]) >= float(rows[1][2])
     assert summary["lines"] == 3
+
+
+@pytest.mark.rows("F8")
+def test_unseen_characters_become_unk_and_are_counted(small_data: Path, tmp_path: Path) -> None:
+    """RELIABILITY F8: emoji, CJK and a control character with a real sentencepiece
+    vocabulary: no crash, one output line each, and the summary's <unk> counts equal
+    those of the tokenizer's own encoding (control characters are normalised away)."""
+    from aiayn.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(small_data / "spm.model")
+    torch.manual_seed(0)
+    m = Transformer(ModelConfig(N=1, d_model=32, h=2, d_k=16, d_v=16, d_ff=64, P_drop=0.0,
+                                vocab_size=tok.vocab_size)).eval()
+    lines = ["A man is walking .", "\U0001F600 \U0001F436 ein Hund", "\u65e5\u672c\u8a9e",
+             "bell \x07 here", "A dog ."]
+    src, out = tmp_path / "in.txt", tmp_path / "out.txt"
+    src.write_text("".join(x + "\n" for x in lines), encoding="utf-8")
+    summary = translate_file(m, tok, src, out, replace(CFG, max_len_b=3))
+    assert len(out.read_text(encoding="utf-8").split("\n")) == len(lines) + 1
+    unk = [tok.encode(x).count(1) for x in lines]
+    assert unk[1] == 2 and unk[2] >= 1 and unk[0] == unk[3] == unk[4] == 0
+    assert summary["unk_tokens"] == sum(unk) and summary["unk_lines"] == 2

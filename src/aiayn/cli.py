@@ -39,7 +39,7 @@ def _resolve_config(args: argparse.Namespace) -> Config:
     if getattr(args, "config", None):
         cfg, _ = load_experiment(args.config)
     else:
-        cfg = get_preset(args.preset)
+        cfg = get_preset(args.preset or "base")
     overrides: dict[str, Any] = {}
     for flag, key in (("max_steps", "train.max_steps"), ("max_minutes", "train.max_minutes"),
                       ("save_interval_steps", "train.save_interval_steps"),
@@ -59,7 +59,9 @@ def _resolve_config(args: argparse.Namespace) -> Config:
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--preset", default="base", help="base, big, tiny or a Table 3 row (A1..E)")
+    # default None, not "base": argparse does not see a conflict when the value given
+    # is the default object itself (`--preset base --config x.toml` would pass silently)
+    g.add_argument("--preset", help="base (default), big, tiny or a Table 3 row (A1..E)")
     g.add_argument("--config", help="experiment file (TOML): a preset plus overrides")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override any config key (e.g. --set P_drop=0.3); applied last")
@@ -173,7 +175,7 @@ def cmd_translate(args: argparse.Namespace) -> int:
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from aiayn.evaluate import score_files
 
-    scores = score_files(Path(args.hyp), Path(args.ref), args.lang)
+    scores = score_files(Path(args.hyp), Path(args.ref), args.lang, bootstrap=args.bootstrap)
     print(json.dumps(scores.to_dict(), indent=2) if args.json else scores.format())
     return 0
 
@@ -233,7 +235,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     model_cfg = replace(cfg.model, vocab_size=args.vocab_size)
     with torch.device("meta"):
         n = count_parameters(Transformer(model_cfg))
-    info = {"preset": args.config or args.preset, "vocab_size": args.vocab_size,
+    info = {"preset": args.config or args.preset or "base", "vocab_size": args.vocab_size,
             "parameters": n, "parameters_formula": parameter_formula(model_cfg),
             "config": replace(cfg, model=model_cfg).to_dict()}
     if args.json:
@@ -324,6 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hyp", required=True)
     p.add_argument("--ref", required=True)
     p.add_argument("--lang", help="target language (default: the reference's suffix)")
+    p.add_argument("--bootstrap", type=int, default=0, metavar="N",
+                   help="95%% confidence interval of BLEU from N resamples (fixed seed)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_evaluate)
 

@@ -21,8 +21,9 @@ this module checks line counts (H1) and reads files through `aiayn.files.read_li
 subword markers ("▁", "@@ ") left in hypotheses or references are refused (H2:
 "detokenized, BPE removed").
 Trailing whitespace is stripped from each line, as the sacrebleu CLI does, so API and
-CLI give identical scores (H3). Everything here is deterministic: no bootstrap
-resampling is done (H6 applies only if it is added).
+CLI give identical scores (H3). Bootstrap resampling (`bootstrap=N`, for a 95% confidence
+interval of sacreBLEU) draws with sacrebleu's fixed seed (SACREBLEU_SEED, default 12345),
+and the signature records both (bs:N|seed:S, H6), so it is deterministic too.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class Scores:
     tok_bleu: float
     tok_bleu_signature: str
     n_lines: int
+    sacrebleu_ci: float | None = None  # half-width of the 95% bootstrap interval
 
     def to_dict(self) -> dict[str, float | str | int]:
         return asdict(self)
@@ -63,7 +65,9 @@ class Scores:
     def format(self) -> str:
         """A human-readable summary: each score with its full signature."""
         return "\n".join([
-            f"BLEU     = {self.sacrebleu:.2f}  ({self.sacrebleu_signature})",
+            f"BLEU     = {self.sacrebleu:.2f}"
+            + (f" +- {self.sacrebleu_ci:.2f}" if self.sacrebleu_ci is not None else "")
+            + f"  ({self.sacrebleu_signature})",
             f"chrF2    = {self.chrf:.2f}  ({self.chrf_signature})",
             f"tok-BLEU = {self.tok_bleu:.2f}  ({self.tok_bleu_signature})",
             "           (lowercased, Moses-tokenized, multi-bleu style: not comparable with BLEU)",
@@ -71,7 +75,8 @@ class Scores:
         ])
 
 
-def score(hyps: list[str], refs: list[str], target_lang: str) -> Scores:
+def score(hyps: list[str], refs: list[str], target_lang: str, *,
+          bootstrap: int = 0) -> Scores:
     """Score detokenized hypotheses against references, one reference per line.
 
     Args:
@@ -79,6 +84,7 @@ def score(hyps: list[str], refs: list[str], target_lang: str) -> Scores:
         refs: references, aligned with `hyps` line by line.
         target_lang: language code of the target side (for the Moses tokenizer of
             tok_bleu), e.g. "de".
+        bootstrap: resamples for sacreBLEU's 95% confidence interval (0 = none).
 
     Returns:
         Scores, from sacrebleu, each with its signature.
@@ -87,11 +93,12 @@ def score(hyps: list[str], refs: list[str], target_lang: str) -> Scores:
         ValueError: the line counts differ, there are no lines, or a hypothesis still
             contains subword markers.
     """
-    return _score(hyps, refs, target_lang, hyp_name="hypotheses", ref_name="references")
+    return _score(hyps, refs, target_lang, hyp_name="hypotheses", ref_name="references",
+                  bootstrap=bootstrap)
 
 
 def score_files(hyp_path: str | Path, ref_path: str | Path,
-                target_lang: str | None = None) -> Scores:
+                target_lang: str | None = None, *, bootstrap: int = 0) -> Scores:
     """Score a hypothesis file against a reference file (plain or .gz, UTF-8).
 
     Args:
@@ -109,7 +116,8 @@ def score_files(hyp_path: str | Path, ref_path: str | Path,
     refs = list(read_lines(ref_path))
     if target_lang is None:
         target_lang = lang_from_suffix(ref_path)
-    return _score(hyps, refs, target_lang, hyp_name=str(hyp_path), ref_name=str(ref_path))
+    return _score(hyps, refs, target_lang, hyp_name=str(hyp_path), ref_name=str(ref_path),
+                  bootstrap=bootstrap)
 
 
 def lang_from_suffix(path: str | Path, default: str = "en") -> str:
@@ -135,7 +143,9 @@ def perplexity(nll_sum: float, n_tokens: int) -> float:
 
 
 def _score(hyps: list[str], refs: list[str], target_lang: str, *,
-           hyp_name: str, ref_name: str) -> Scores:
+           hyp_name: str, ref_name: str, bootstrap: int = 0) -> Scores:
+    if bootstrap < 0 or bootstrap == 1:
+        raise ValueError(f"bootstrap must be 0 (off) or >= 2 resamples, got {bootstrap}")
     if len(hyps) != len(refs):
         raise ValueError(f"line counts differ: {hyp_name} has {len(hyps)} lines, "
                          f"{ref_name} has {len(refs)} lines")
@@ -152,7 +162,7 @@ def _score(hyps: list[str], refs: list[str], target_lang: str, *,
 
     # force=False keeps sacrebleu's warning for output that looks tokenized (H2)
     bleu = BLEU()
-    bleu_score = bleu.corpus_score(hyps, [refs])
+    bleu_score = bleu.corpus_score(hyps, [refs], n_bootstrap=max(bootstrap, 1))
     chrf = CHRF()
     chrf_score = chrf.corpus_score(hyps, [refs])
     tok_bleu, tok_sig = _tok_bleu(hyps, refs, target_lang)
@@ -164,6 +174,7 @@ def _score(hyps: list[str], refs: list[str], target_lang: str, *,
         tok_bleu=tok_bleu,
         tok_bleu_signature=tok_sig,
         n_lines=len(hyps),
+        sacrebleu_ci=bleu_score._ci if bootstrap else None,
     )
 
 

@@ -101,6 +101,9 @@ def atomic_write(path: str | Path, mode: str = "wb") -> Iterator[IO]:
             yield f
             f.flush()
             os.fsync(f.fileno())
+        # RELIABILITY B4: the temp file's data and its directory entry are on disk
+        # before the rename, and the rename is on disk before we report success.
+        fsync_dir(path.parent)
         os.replace(tmp, path)
         fsync_dir(path.parent)
     except BaseException as e:

@@ -9,6 +9,11 @@ Promises (RELIABILITY.md, group F):
 - F4: an input longer than `max_input_len` subwords (or than the model's position table)
   is truncated, with a warning naming its line number.
 - F6/F7: outputs do not depend on batch size or on the run (search is batch-invariant).
+- F8: characters the vocabulary never saw (emoji, other scripts) become <unk> (id 1) in
+  the source, as sentencepiece encodes them (its NFKC normalisation drops control
+  characters before that); the model translates
+  the rest of the line; <unk> tokens and the lines holding them are counted in the
+  summary. The output never contains "<unk>" text: decoding renders it as " ⁇ ".
 - F9: invalid UTF-8 is replaced by U+FFFD, counted and reported as a partial result.
 - F13: the output file is written atomically (temporary file, fsync, rename).
 
@@ -29,7 +34,7 @@ import torch
 from torch import Tensor
 
 from aiayn.batching import decode_batches
-from aiayn.config import EOS_ID, PAD_ID, DecodeConfig
+from aiayn.config import EOS_ID, PAD_ID, UNK_ID, DecodeConfig
 from aiayn.files import atomic_write, open_bytes
 from aiayn.model import Transformer
 from aiayn.search import Hypothesis, beam_search, position_limit
@@ -63,6 +68,8 @@ class TranslateStats:
     lines: int = 0
     empty: int = 0
     truncated: int = 0
+    unk_tokens: int = 0  # source subwords that are <unk> (F8)
+    unk_lines: int = 0
 
 
 # ------------------------------------------------------------------------- preparing
@@ -80,6 +87,9 @@ def encode_sources(tokenizer: SubwordTokenizer, lines: Sequence[str], max_input_
             sources.append(None)
             continue
         ids = tokenizer.encode(line)
+        unk = sum(1 for i in ids if i == UNK_ID)
+        stats.unk_tokens += unk
+        stats.unk_lines += unk > 0
         if len(ids) > max_input_len:
             stats.truncated += 1
             if stats.truncated <= MAX_LINE_WARNINGS:
@@ -218,7 +228,8 @@ def translate_file(model: Transformer, tokenizer: SubwordTokenizer, input_path: 
     """Translate a file (or stdin) into a file (atomically, F13) or stdout.
 
     Returns:
-        Summary: lines, empty, truncated, bad_utf8 (line count), partial (True when some
+        Summary: lines, empty, truncated, unk_tokens and unk_lines (source subwords
+        that are <unk>, F8), bad_utf8 (line count), partial (True when some
         input had to be repaired: the CLI exits non-zero, F9), seconds, sentences_per_s.
     """
     cfg.validate()
@@ -236,6 +247,10 @@ def translate_file(model: Transformer, tokenizer: SubwordTokenizer, input_path: 
         with atomic_write(output_path, "w") as f:
             f.write(text)
     seconds = time.perf_counter() - start
+    if stats.unk_tokens:
+        logger.info("%d source subwords in %d lines are <unk> (unseen characters)",
+                    stats.unk_tokens, stats.unk_lines)
     return {"lines": stats.lines, "empty": stats.empty, "truncated": stats.truncated,
+            "unk_tokens": stats.unk_tokens, "unk_lines": stats.unk_lines,
             "bad_utf8": len(bad), "partial": bool(bad), "seconds": seconds,
             "sentences_per_s": (stats.lines - stats.empty) / seconds if seconds > 0 else 0.0}
