@@ -60,10 +60,13 @@ def summarize(records: list[dict]) -> dict:
     for g, rows in ROWS.items():
         cpu = [r for r, tier in rows.items() if tier in ("CPU", "R")]
         tested = [r for r in cpu if by_row.get(r)]
-        passed = [r for r in tested if all(t["outcome"] == "passed" for t in by_row[r])]
         failed = [r for r in tested if any(t["outcome"] == "failed" for t in by_row[r])]
+        passed = [r for r in tested if r not in failed
+                  and any(t["outcome"] == "passed" for t in by_row[r])]
+        skipped = sorted({t["test"].split("::")[-1] for r in tested for t in by_row[r]
+                          if t["outcome"] == "skipped"})
         groups[g] = {"rows": len(rows), "cpu_rows": len(cpu), "run": len(tested),
-                     "passed": len(passed), "failed": failed,
+                     "passed": len(passed), "failed": failed, "skipped_tests": skipped,
                      "untested": [r for r in cpu if r not in tested],
                      "not_cpu": [f"{r} ({t})" for r, t in rows.items() if t not in ("CPU", "R")]}
     faults: dict[str, list[int]] = defaultdict(lambda: [0, 0])
@@ -75,7 +78,8 @@ def summarize(records: list[dict]) -> dict:
         lost += r["properties"].get("steps_lost", [])
     return {"groups": groups, "faults": dict(faults), "steps_lost": lost,
             "tests": len(records),
-            "tests_passed": sum(r["outcome"] == "passed" for r in records)}
+            "tests_passed": sum(r["outcome"] == "passed" for r in records),
+            "tests_skipped": sum(r["outcome"] == "skipped" for r in records)}
 
 
 def print_summary(s: dict) -> None:
@@ -85,13 +89,16 @@ def print_summary(s: dict) -> None:
         notes = []
         if x["failed"]:
             notes.append("FAILED " + " ".join(x["failed"]))
+        if x["skipped_tests"]:
+            notes.append("skipped here: " + " ".join(x["skipped_tests"]))
         if x["untested"]:
             notes.append("no test: " + " ".join(x["untested"]))
         if x["not_cpu"]:
             notes.append("not on this tier: " + " ".join(x["not_cpu"]))
         print(f"{g:<6}{x['rows']:>5}{x['cpu_rows']:>7}{x['run']:>5}{x['passed']:>8}  "
               f"{'; '.join(notes)}")
-    print(f"\ntests: {s['tests']} run, {s['tests_passed']} passed")
+    print(f"\ntests: {s['tests']} run, {s['tests_passed']} passed, "
+          f"{s['tests_skipped']} skipped")
     print("\nfaults injected / survived")
     for kind, (n, ok) in sorted(s["faults"].items()):
         print(f"  {kind:<40}{n:>4} / {ok}")

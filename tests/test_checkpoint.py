@@ -467,21 +467,32 @@ def test_check_run_dir_creates_or_fails_fast(tmp_path: Path) -> None:
 
 @pytest.mark.rows("A9")
 def test_check_run_dir_read_only_directory(tmp_path: Path) -> None:
-    """A9: a chmod 500 directory fails naming it (skipped where chmod does not bind, as for
-    root)."""
+    """A9: a chmod 500 directory fails naming it; as root (whom chmod does not stop) a
+    read-only mount stands in for it."""
     d = tmp_path / "ro"
     d.mkdir()
     d.chmod(0o500)
     try:
         try:
             (d / "x").write_text("x")
-            pytest.skip("chmod 500 does not stop this user (root)")
         except PermissionError:
-            pass
+            with pytest.raises(CheckpointError, match=rf"run directory {d} is not writable"):
+                check_run_dir(d)
+            return
+    finally:
+        d.chmod(0o700)
+    # root ignores chmod; what stops root is a read-only mount (if we may mount one)
+    d = tmp_path / "ro_mount"
+    d.mkdir()
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(d)],
+                           capture_output=True, text=True)
+    if mount.returncode != 0:
+        pytest.skip("chmod 500 does not stop root, and mounting a read-only tmpfs failed")
+    try:
         with pytest.raises(CheckpointError, match=rf"run directory {d} is not writable"):
             check_run_dir(d)
     finally:
-        d.chmod(0o700)
+        subprocess.run(["umount", str(d)], check=True)
 
 
 @pytest.mark.rows("A10")

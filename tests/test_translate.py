@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import io
 import logging
 import sys
@@ -289,3 +290,22 @@ def test_unseen_characters_become_unk_and_are_counted(small_data: Path, tmp_path
     unk = [tok.encode(x).count(1) for x in lines]
     assert unk[1] == 2 and unk[2] >= 1 and unk[0] == unk[3] == unk[4] == 0
     assert summary["unk_tokens"] == sum(unk) and summary["unk_lines"] == 2
+
+
+def test_inference_precisions_translate_every_line(model: EosRamp) -> None:
+    """Decoding in bf16 or int8 (dynamic quantization) keeps the line-for-line contract, and
+    int8 quantizes every Linear; an unknown precision is refused by name."""
+    from aiayn.translate import cast_for_inference
+
+    lines = sentences(12)
+    ref = translate_lines(model, TOK, lines, CFG)
+    for dtype in ("bf16", "int8"):
+        m = cast_for_inference(copy.deepcopy(model), dtype)
+        out = translate_lines(m, TOK, lines, CFG)
+        assert len(out) == len(ref) and [x == "" for x in out] == [x == "" for x in ref]
+        if dtype == "int8":
+            assert not any(type(x) is torch.nn.Linear for x in m.modules())
+        else:
+            assert all(p.dtype == torch.bfloat16 for p in m.parameters())
+    with pytest.raises(ValueError, match="fp16"):
+        cast_for_inference(model, "fp16")

@@ -128,13 +128,6 @@ class _NoEarlyEOS(nn.Module):
         return logits
 
 
-def quantize_int8(model: Transformer) -> nn.Module:
-    """Dynamic int8 quantization of every Linear (weights int8, activations per batch)."""
-    from torch.ao.quantization import quantize_dynamic
-
-    return quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
-
-
 def bench_decode(preset: str = "base", dtype: str = "fp32", device: str = "cpu", *,
                  beam: int = 4, alpha: float = 0.6, out_len: int = 20, sentences: int = 500,
                  batch: int = 64, vocab: int = 10_000, peak: bool = False) -> dict[str, Any]:
@@ -143,17 +136,14 @@ def bench_decode(preset: str = "base", dtype: str = "fp32", device: str = "cpu",
     dtype: "fp32", "bf16" (weights and activations), or "int8" (dynamic quantization).
     """
     from aiayn.search import beam_search, greedy_search
+    from aiayn.translate import cast_for_inference
 
     cfg = get_preset(preset)
     dev = torch.device(device)
     p = matmul_peak(DTYPES.get(dtype, torch.float32), device=device) if peak else None
     torch.manual_seed(0)
     model = Transformer(replace(cfg.model, vocab_size=vocab)).to(dev).eval()
-    if dtype == "bf16":
-        model = model.to(torch.bfloat16)
-    elif dtype == "int8":
-        model = quantize_int8(model)
-        model.cfg = cfg.model  # quantize_dynamic copies the module; keep its config visible
+    model = cast_for_inference(model, dtype)
     wrapped = _NoEarlyEOS(model)
     src = random_batch(sentences, vocab, seed=3).to(dev)
 

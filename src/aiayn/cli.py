@@ -156,9 +156,10 @@ def cmd_average(args: argparse.Namespace) -> int:
 
 def cmd_translate(args: argparse.Namespace) -> int:
     from aiayn.checkpoint import load_model
-    from aiayn.translate import translate_file
+    from aiayn.translate import cast_for_inference, translate_file
 
     model, tokenizer, cfg = load_model(Path(args.checkpoint), device=args.device)
+    model = cast_for_inference(model, args.dtype)
     overrides: dict[str, Any] = {}
     for flag in ("beam", "alpha", "max_len_a", "max_len_b", "nbest", "max_tokens"):
         if getattr(args, flag) is not None:
@@ -319,6 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-len-b", type=int)
     p.add_argument("--nbest", type=int)
     p.add_argument("--max-tokens", type=int, help="source tokens per batch")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "int8"],
+                   help="inference precision (int8: dynamic quantization, CPU)")
     p.add_argument("--device", default="cpu")
     p.set_defaults(func=cmd_translate)
 

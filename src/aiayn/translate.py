@@ -72,6 +72,27 @@ class TranslateStats:
     unk_lines: int = 0
 
 
+INFERENCE_DTYPES = ("fp32", "bf16", "int8")
+
+
+def cast_for_inference(model: Transformer, dtype: str) -> Transformer:
+    """The model in an inference precision: "fp32" as trained, "bf16" (weights and
+    activations; AMX on recent Intel CPUs), or "int8" (dynamic quantization of every
+    Linear: int8 weights, activations quantized per batch; CPU only)."""
+    if dtype not in INFERENCE_DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(INFERENCE_DTYPES)}, got {dtype!r}")
+    if dtype == "bf16":
+        return model.to(torch.bfloat16)
+    if dtype == "int8":
+        from torch import nn
+        from torch.ao.quantization import quantize_dynamic
+
+        cfg = model.cfg
+        model = quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
+        model.cfg = cfg  # quantize_dynamic copies the module; keep its config visible
+    return model
+
+
 # ------------------------------------------------------------------------- preparing
 def encode_sources(tokenizer: SubwordTokenizer, lines: Sequence[str], max_input_len: int,
                    stats: TranslateStats) -> list[list[int] | None]:
