@@ -464,8 +464,7 @@ class Trainer:
         self.model.load_state_dict(saved["model"])
         self.optimizer.load_state_dict(saved["optimizer"])
         self.state = TrainState(**saved["train_state"])
-        self.state.world_size = keep.world_size
-        self._reshard()
+        self._reshard()  # the checkpoint may come from a run on another number of ranks
         for name in ("nonfinite_skipped", "oom_skipped", "train_seconds"):
             setattr(self.state, name, getattr(keep, name))
         self.state.rollbacks = keep.rollbacks + 1
