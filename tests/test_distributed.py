@@ -154,7 +154,7 @@ def test_two_rank_checkpoint_resumes_on_one_rank(small_data: Path, tmp_path: Pat
     corpus = load_corpus(small_data, "train")
     epoch = token_batches(corpus.src_lens, corpus.tgt_lens, 400, seed=1, epoch=saved["epoch"])
     start = 2 * saved["batch_in_epoch"]
-    assert ids[0] == epoch[start] and ids[: len(epoch) - start] == epoch[start:]
+    assert ids[: len(epoch) - start] == epoch[start:]
     before = [loss for s, loss in _step_losses(two_rank_run) if s > 9]
     after = [h["loss"] for h in result.history]
     assert max(after) < max(before) * 1.5  # it continues; it does not start over

@@ -178,8 +178,6 @@ def test_resume_has_teeth_and_replays_the_data_order(small_data: Path, tmp_path:
 
     ids, losses = resumed_run("ok")
     assert ids == full_ids  # order, and so the multiset, identical
-    assert sorted(i for _, b in ids[:8] for i in b) == sorted(i for _, b in full_ids[:8]
-                                                              for i in b)
     assert losses == base
     # A2: no reseeding -> the resumed steps draw other dropout masks
     _, losses = resumed_run("no_rng", lambda m: m.setattr(train_mod, "_seed_step",

@@ -45,16 +45,9 @@ class DistContext:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return t.tolist()
 
-    def any(self, flag: bool, device: torch.device) -> bool:
-        """True on every rank if it is True on one: stop decisions are taken together."""
-        if not self.active:
-            return flag
-        t = torch.tensor([1.0 if flag else 0.0], device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
-
     def any_each(self, flags: list[bool], device: torch.device) -> list[bool]:
-        """`any` for several flags in one collective."""
+        """Each flag True on every rank if it is True on one, in one collective: stop and
+        save decisions are taken together."""
         if not self.active:
             return flags
         t = torch.tensor([1.0 if f else 0.0 for f in flags], device=device)

@@ -174,6 +174,7 @@ def _score(hyps: list[str], refs: list[str], target_lang: str, *,
         tok_bleu=tok_bleu,
         tok_bleu_signature=tok_sig,
         n_lines=len(hyps),
+        # sacrebleu keeps the interval only in `_ci` (its own CLI reads it there too)
         sacrebleu_ci=bleu_score._ci if bootstrap else None,
     )
 

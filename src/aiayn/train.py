@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from aiayn import checkpoint as ckpt_lib
 from aiayn.batching import Batch, collate, token_batches
-from aiayn.config import PAD_ID, Config, ModelConfig, TrainConfig
+from aiayn.config import PAD_ID, Config, TrainConfig
 from aiayn.data import Corpus, load_corpus, load_manifest
 from aiayn.distributed import DistContext, init_from_env, shutdown
 from aiayn.faults import Faults
@@ -153,12 +153,6 @@ class TrainResult:
     last_checkpoint: Path | None
     history: list[dict[str, Any]] = field(default_factory=list)
     stopped_by: str = "max_steps"
-
-
-def build_model(cfg: ModelConfig, vocab_size: int) -> Transformer:
-    from dataclasses import replace
-
-    return Transformer(replace(cfg, vocab_size=vocab_size))
 
 
 def _config_diff(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
