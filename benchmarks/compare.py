@@ -7,6 +7,9 @@
 Peers are built from configs with random weights (never downloaded):
 - HF MarianMTModel configured as the paper's model (post-norm, sinusoidal positions,
   shared and scaled embeddings, ReLU), with eager and sdpa attention.
+- CTranslate2 (decoding only) running aiayn's own random-weight model, converted with
+  `aiayn.export.to_ctranslate2`, at its float32 and int8 compute types (it has no bf16 on
+  a CPU). It decodes the same weights as aiayn, so the work per sentence is identical.
 Each measurement runs in its own process (so that max_rss_gib is its own), with the same
 allocator settings for all, and the systems alternate within each round: the machine's
 speed drifts by ~10% over minutes, so only measurements of one run compare.
@@ -109,6 +112,43 @@ def hf_decode(preset: str, dtype: str, attn: str, beam: int, out_len: int,
     return {"sentences_per_s": sentences / t, "seconds": t, "max_rss_gib": max_rss_gib()}
 
 
+def ct2_decode(preset: str, compute_type: str, beam: int, out_len: int,
+               sentences: int = 500, batch: int = 64) -> dict[str, Any]:
+    """CTranslate2 on aiayn's bench model (same seed, same sources as `aiayn bench decode`)."""
+    import tempfile
+    from dataclasses import replace
+
+    import ctranslate2
+    import torch
+
+    from aiayn.bench import max_rss_gib, random_batch
+    from aiayn.config import PAD_ID, get_preset
+    from aiayn.export import to_ctranslate2, vocabulary
+    from aiayn.model import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(replace(get_preset(preset).model, vocab_size=VOCAB)).eval()
+    tokens = vocabulary(VOCAB)
+    src = random_batch(sentences, VOCAB, seed=3)
+    batch_tokens = [[tokens[t] for t in row.tolist() if t != PAD_ID] for row in src]
+    with tempfile.TemporaryDirectory() as tmp:
+        to_ctranslate2(model, tmp)
+        del model
+        translator = ctranslate2.Translator(tmp, device="cpu", compute_type=compute_type,
+                                            intra_threads=torch.get_num_threads(),
+                                            inter_threads=1)
+    options = dict(max_batch_size=batch, beam_size=beam, length_penalty=0.6,
+                   min_decoding_length=out_len, max_decoding_length=out_len)
+    translator.translate_batch(batch_tokens[:batch], **{**options, "min_decoding_length": 2,
+                                                        "max_decoding_length": 2})  # warm-up
+    t0 = time.perf_counter()
+    results = translator.translate_batch(batch_tokens, **options)
+    t = time.perf_counter() - t0
+    lengths = [len(r.hypotheses[0]) for r in results]
+    return {"sentences_per_s": sentences / t, "seconds": t, "max_rss_gib": max_rss_gib(),
+            "mean_out_len": statistics.mean(lengths)}
+
+
 def aiayn_measure(kind: str, preset: str, dtype: str, steps: int, beam: int,
                   out_len: int) -> dict[str, Any]:
     from aiayn.bench import bench_decode, bench_train
@@ -124,6 +164,8 @@ def one(spec: dict[str, Any]) -> dict[str, Any]:
     if system == "aiayn":
         r = aiayn_measure(kind, spec["preset"], spec["dtype"], spec["steps"], spec["beam"],
                           spec["out_len"])
+    elif system == "ctranslate2":
+        r = ct2_decode(spec["preset"], spec["attn"], spec["beam"], spec["out_len"])
     elif kind == "train":
         r = hf_train(spec["preset"], spec["dtype"], spec["attn"], spec["steps"])
     else:
@@ -147,34 +189,50 @@ def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
             for dtype in args.dtypes.split(","):
                 base = {"kind": kind, "preset": preset, "dtype": dtype, "steps": args.steps,
                         "beam": args.beam, "out_len": args.out_len}
+                if kind == "train" and dtype == "int8":
+                    continue
                 specs.append({**base, "system": "aiayn", "attn": "aiayn"})
+                if dtype == "int8":  # aiayn's dynamic quantization; HF has no such mode here
+                    continue
                 for attn in args.hf_attn.split(","):
                     specs.append({**base, "system": "hf-marian", "attn": attn})
+            if kind == "decode" and args.ct2:
+                # Compared with every aiayn dtype row: its own compute types, once per preset.
+                for compute_type in args.ct2.split(","):
+                    specs.append({"kind": kind, "preset": preset, "dtype": "any",
+                                  "steps": args.steps, "beam": args.beam,
+                                  "out_len": args.out_len, "system": "ctranslate2",
+                                  "attn": compute_type})
     return specs
 
 
 def table(records: list[dict[str, Any]]) -> str:
-    rows = ["| task | preset | dtype | system | throughput | peak fraction | max RSS GiB |",
-            "|---|---|---|---|---|---|---|"]
+    """One row per measurement; aiayn's rows carry their ratios to the peers: the best HF
+    setting of the same dtype and, for decoding, each CTranslate2 compute type."""
+    rows = ["| task | preset | dtype | system | throughput | ratios | peak fraction | RSS GiB |",
+            "|---|---|---|---|---|---|---|---|"]
     groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     for r in records:
         groups.setdefault((r["kind"], r["preset"], r["dtype"]), []).append(r)
     for (kind, preset, dtype), rs in groups.items():
         unit = "tokens_per_s" if kind == "train" else "sentences_per_s"
-        best_peer = max((r[unit] for r in rs if r["system"] != "aiayn" and unit in r),
-                        default=None)
+        best_hf = max((r[unit] for r in rs if r["system"] == "hf-marian" and unit in r),
+                      default=None)
+        ct2 = {r["attn"]: r[unit] for r in groups.get((kind, preset, "any"), []) if unit in r}
         for r in rs:
-            if unit not in r:
-                rows.append(f"| {kind} | {preset} | {dtype} | {r['system']} ({r['attn']}) | "
-                            f"error: {r.get('error')} | | |")
-                continue
-            ratio = ""
-            if r["system"] == "aiayn" and best_peer:
-                ratio = f" (x{r[unit] / best_peer:.2f} best peer)"
-            pf = f"{r['peak_fraction']:.1%}" if "peak_fraction" in r else ""
             name = r["system"] if r["system"] == "aiayn" else f"{r['system']} ({r['attn']})"
-            rows.append(f"| {kind} | {preset} | {dtype} | {name} | {r[unit]:,.1f} {unit}"
-                        f"{ratio} | {pf} | {r['max_rss_gib']:.2f} |")
+            if unit not in r:
+                rows.append(f"| {kind} | {preset} | {dtype} | {name} | error: {r.get('error')}"
+                            " | | | |")
+                continue
+            ratios = []
+            if r["system"] == "aiayn":
+                if best_hf:
+                    ratios.append(f"x{r[unit] / best_hf:.2f} HF")
+                ratios += [f"x{r[unit] / v:.2f} CT2 {c}" for c, v in ct2.items()]
+            pf = f"{r['peak_fraction']:.1%}" if "peak_fraction" in r else ""
+            rows.append(f"| {kind} | {preset} | {dtype} | {name} | {r[unit]:,.1f} {unit} | "
+                        f"{', '.join(ratios)} | {pf} | {r['max_rss_gib']:.2f} |")
     return "\n".join(rows)
 
 
@@ -184,6 +242,8 @@ def main() -> int:
     p.add_argument("--what", default="train,decode")
     p.add_argument("--dtypes", default="fp32,bf16")
     p.add_argument("--hf-attn", default="eager,sdpa")
+    p.add_argument("--ct2", default="int8,float32",
+                   help="CTranslate2 compute types for decoding ('' to skip)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--beam", type=int, default=4)
     p.add_argument("--out-len", type=int, default=20)

@@ -45,12 +45,13 @@ def copy_batch(strings: list[list[int]]) -> tuple[Tensor, Tensor, Tensor]:
     return src, tgt_in, tgt_out
 
 
-def train_copy_model(g: torch.Generator) -> tuple[Transformer, set[tuple[int, ...]]]:
+def train_copy_model(g: torch.Generator, steps: int = STEPS
+                     ) -> tuple[Transformer, set[tuple[int, ...]]]:
     model = Transformer(MODEL)
     optimizer = make_optimizer(model, TRAIN)
     seen: set[tuple[int, ...]] = set()
     model.train()
-    for step in range(1, STEPS + 1):
+    for step in range(1, steps + 1):
         strings = random_strings(BATCH, g)
         seen.update(map(tuple, strings))
         src, tgt_in, tgt_out = copy_batch(strings)

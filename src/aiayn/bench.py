@@ -50,8 +50,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bench_peak(dtype: str = "bf16", device: str = "cpu", n: int = 2048) -> dict[str, Any]:
+def bench_peak(dtype: str = "bf16", device: str = "cpu", n: int | None = None) -> dict[str, Any]:
     """The matrix-product ceiling in FLOP/s."""
+    n = n or (8192 if torch.device(device).type == "cuda" else 2048)
     flops = matmul_peak(DTYPES[dtype], n=n, device=device)
     return {"bench": "peak", "dtype": dtype, "device": device, "n": n, "tflops": flops / 1e12}
 
