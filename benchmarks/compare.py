@@ -116,18 +116,15 @@ def ct2_decode(preset: str, compute_type: str, beam: int, out_len: int,
                sentences: int = 500, batch: int = 64) -> dict[str, Any]:
     """CTranslate2 on aiayn's bench model (same seed, same sources as `aiayn bench decode`)."""
     import tempfile
-    from dataclasses import replace
 
     import ctranslate2
     import torch
 
-    from aiayn.bench import max_rss_gib, random_batch
-    from aiayn.config import PAD_ID, get_preset
+    from aiayn.bench import max_rss_gib, random_batch, random_model
+    from aiayn.config import PAD_ID
     from aiayn.export import to_ctranslate2, vocabulary
-    from aiayn.model import Transformer
 
-    torch.manual_seed(0)
-    model = Transformer(replace(get_preset(preset).model, vocab_size=VOCAB)).eval()
+    model = random_model(preset, VOCAB).eval()
     tokens = vocabulary(VOCAB)
     src = random_batch(sentences, VOCAB, seed=3)
     batch_tokens = [[tokens[t] for t in row.tolist() if t != PAD_ID] for row in src]

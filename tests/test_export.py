@@ -41,6 +41,14 @@ def test_ctranslate2_greedy_output_equals_aiayn(tmp_path):
     theirs = [[tokens.index(t) for t in r.hypotheses[0]] for r in results]
     assert theirs == ours
 
+    # Teacher-forced scores of the reference copies: the same log-probabilities.
+    _, tgt_in, tgt_out = copy_batch(strings)
+    with torch.no_grad():
+        logp = torch.log_softmax(model(src, tgt_in), -1).gather(-1, tgt_out.unsqueeze(-1))
+    expected = [float(logp[i, : len(s) + 1].sum()) for i, s in enumerate(strings)]
+    scored = translator.score_batch(batch, [[tokens[t] for t in s] for s in strings])
+    assert [sum(r.log_probs) for r in scored] == pytest.approx(expected, abs=1e-4)
+
 
 def test_vocabulary_puts_ctranslate2_special_tokens_at_aiayn_ids():
     tokens = vocabulary(6, pieces=["a", "b", "c", "d", "x", "y"])

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from aiayn.config import BOS_ID, EOS_ID, PAD_ID, get_preset
-from aiayn.flops import forward_flops, matmul_peak, training_flops
+from aiayn.flops import forward_flops, matmul_peak, peak_size, training_flops
 from aiayn.model import Transformer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -45,6 +45,13 @@ def random_batch(n: int, vocab: int, lo: int = 12, hi: int = 16, seed: int = 0) 
     return ids.masked_fill(pos > lengths[:, None], PAD_ID)
 
 
+def random_model(preset: str, vocab: int = 10_000) -> Transformer:
+    """The benchmarks' model: a preset with random weights from a fixed seed, so that every
+    system compared (aiayn, and CTranslate2 through `aiayn.export`) runs the same weights."""
+    torch.manual_seed(0)
+    return Transformer(replace(get_preset(preset).model, vocab_size=vocab))
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -52,7 +59,7 @@ def _sync(device: torch.device) -> None:
 
 def bench_peak(dtype: str = "bf16", device: str = "cpu", n: int | None = None) -> dict[str, Any]:
     """The matrix-product ceiling in FLOP/s."""
-    n = n or (8192 if torch.device(device).type == "cuda" else 2048)
+    n = n or peak_size(device)
     flops = matmul_peak(DTYPES[dtype], n=n, device=device)
     return {"bench": "peak", "dtype": dtype, "device": device, "n": n, "tflops": flops / 1e12}
 
@@ -68,8 +75,7 @@ def bench_train(preset: str = "base", dtype: str = "bf16", device: str = "cpu", 
     # The ceiling is measured first: measured after the training steps, in the same
     # process, it came out 2-3x lower on the CPU (cause not established).
     p = matmul_peak(DTYPES[dtype], device=device) if peak else None
-    torch.manual_seed(0)
-    model = Transformer(replace(cfg.model, vocab_size=vocab)).to(dev).train()
+    model = random_model(preset, vocab).to(dev).train()
     opt = make_optimizer(model, cfg.train)
     src = random_batch(batch, vocab, seed=1).to(dev)
     tgt = random_batch(batch, vocab, seed=2).to(dev)  # ends in EOS: tgt_out
@@ -142,8 +148,7 @@ def bench_decode(preset: str = "base", dtype: str = "fp32", device: str = "cpu",
     cfg = get_preset(preset)
     dev = torch.device(device)
     p = matmul_peak(DTYPES.get(dtype, torch.float32), device=device) if peak else None
-    torch.manual_seed(0)
-    model = Transformer(replace(cfg.model, vocab_size=vocab)).to(dev).eval()
+    model = random_model(preset, vocab).to(dev).eval()
     model = cast_for_inference(model, dtype)
     wrapped = _NoEarlyEOS(model)
     src = random_batch(sentences, vocab, seed=3).to(dev)

@@ -43,16 +43,20 @@ def training_flops(cfg: ModelConfig, batch: int, S: int, T: int) -> float:
     return 3.0 * forward_flops(cfg, batch, S, T)
 
 
+def peak_size(device: str | torch.device = "cpu") -> int:
+    """The product size that measures a device's ceiling: 2048 on a CPU, 8192 on a GPU
+    (a 2048 product is too small to keep an H100 busy)."""
+    return 8192 if torch.device(device).type == "cuda" else 2048
+
+
 def matmul_peak(dtype: torch.dtype = torch.float32, n: int | None = None, repeats: int = 10,
                 device: str | torch.device = "cpu") -> float:
     """Measured matrix-product rate (FLOP/s) of an n x n x n product: the machine's ceiling.
 
-    The median of `repeats` timed products after two warm-up ones. n defaults to 2048 on
-    a CPU (where larger products are no faster) and 8192 on a GPU (2048 leaves an H100
-    mostly idle, which would overstate a model's fraction of the peak).
+    The median of `repeats` timed products after two warm-up ones; n defaults to
+    `peak_size(device)`.
     """
-    if n is None:
-        n = 8192 if torch.device(device).type == "cuda" else 2048
+    n = n or peak_size(device)
     a = torch.randn(n, n, dtype=dtype, device=device)
     b = torch.randn(n, n, dtype=dtype, device=device)
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)

@@ -11,9 +11,9 @@ Promises (RELIABILITY.md, group F):
 - F6/F7: outputs do not depend on batch size or on the run (search is batch-invariant).
 - F8: characters the vocabulary never saw (emoji, other scripts) become <unk> (id 1) in
   the source, as sentencepiece encodes them (its NFKC normalisation drops control
-  characters before that); the model translates
-  the rest of the line; <unk> tokens and the lines holding them are counted in the
-  summary. The output never contains "<unk>" text: decoding renders it as " ⁇ ".
+  characters before that); the model translates the rest of the line; <unk> tokens and
+  the lines holding them are counted in the summary. The output never contains "<unk>"
+  text: decoding renders it as " ⁇ ".
 - F9: invalid UTF-8 is replaced by U+FFFD, counted and reported as a partial result.
 - F13: the output file is written atomically (temporary file, fsync, rename).
 
