@@ -12,6 +12,7 @@ from torch import nn
 from aiayn.config import PAD_ID, PRESETS, ModelConfig
 from aiayn.model import (
     Dropout,
+    KVCache,
     MultiHeadAttention,
     Transformer,
     attention_weights,
@@ -229,3 +230,46 @@ def test_parameter_count_near_table3(name):
     cfg = replace(PRESETS[name].model, vocab_size=37000)
     millions = parameter_formula(cfg) / 1e6
     assert millions == pytest.approx(TABLE3_PARAMS[name], rel=0.07)
+
+
+def test_grouped_cross_attention_equals_attention_to_copies():
+    """Beam search keeps the encoder keys/values once per sentence; a sentence's g
+    hypotheses attend to them as one block. Same output (and recorded weights) as g
+    copies of the keys/values, padding mask included."""
+    m = small_model()
+    attn = m.decoder[0].cross_attn
+    a, g, s = 3, 4, 6
+    memory = torch.randn(a, s, m.cfg.d_model, dtype=torch.float64)
+    src = torch.randint(4, 50, (a, s))
+    src[1, 3:] = PAD_ID
+    mask = m.src_mask(src)
+    x = torch.randn(a * g, 2, m.cfg.d_model, dtype=torch.float64)
+    attn.record_weights = True
+    k, v = attn.project_kv(memory)
+    grouped = attn(x, mask=mask.repeat_interleave(g, 0), kv=(k, v))
+    grouped_w = attn.last_weights
+    copies = attn(x, mask=mask.repeat_interleave(g, 0),
+                  kv=(k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)))
+    torch.testing.assert_close(grouped, copies, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grouped_w, attn.last_weights, rtol=1e-12, atol=1e-12)
+    assert grouped_w[g:2 * g, :, :, 3:].abs().max() == 0  # sentence 1's padding: no weight
+
+
+def test_kv_cache_reordering_equals_reordering_the_prefix():
+    """The lazy beam reordering of the self-attention cache: after reorders between
+    appends, the cache holds exactly the rows the reorders select, in order."""
+    cache = KVCache(4, 2, 3, 3, torch.device("cpu"), torch.float64)
+    ref_k = torch.empty(4, 2, 0, 3, dtype=torch.float64)
+    for index in ([1, 1, 0, 3], [2, 0], [1, 0, 0]):  # shrinks to 2 rows, then grows to 3
+        k = torch.randn(ref_k.size(0), 2, 1, 3, dtype=torch.float64)
+        got_k, got_v = cache.append(k, k + 1)
+        ref_k = torch.cat([ref_k, k], dim=2)
+        assert torch.equal(got_k, ref_k) and torch.equal(got_v, ref_k + 1)
+        assert got_k.is_contiguous()
+        cache.reorder(torch.tensor(index))
+        ref_k = ref_k[index]
+    cache.reorder(torch.tensor([2, 0]))  # two reorders before the next append compose
+    ref_k = ref_k[[2, 0]]
+    k = torch.randn(2, 2, 1, 3, dtype=torch.float64)
+    assert torch.equal(cache.append(k, k)[0], torch.cat([ref_k, k], dim=2))
+    assert cache.length == 4

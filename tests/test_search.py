@@ -31,7 +31,7 @@ class PrefixState:
     def __init__(self, rows: int) -> None:
         self.prefixes: list[tuple[int, ...]] = [() for _ in range(rows)]
 
-    def reorder(self, index: Tensor) -> None:
+    def reorder(self, index: Tensor, sentences: Tensor | None = None) -> None:
         self.prefixes = [self.prefixes[i] for i in index.tolist()]
 
 
@@ -374,3 +374,31 @@ def test_beam_search_runs_in_bf16() -> None:
     hyps = beam_search(model, random_src([4, 6]), beam=2, alpha=0.6, max_len_a=1.0,
                        max_len_b=3)
     assert all(math.isfinite(h[0].score) for h in hyps)
+
+
+@pytest.mark.parametrize("model_fn", [tiny_model, eos_ramp_model], ids=["plain", "eos_ramp"])
+def test_beam_scores_equal_teacher_forced_recomputation(model_fn) -> None:
+    """Section 6.1 incremental beam search against a second computation: every returned
+    hypothesis's log P equals the sum of log-softmax scores the full (teacher-forced,
+    uncached) decoder gives its tokens (EOS included when it ended in one), and its score
+    is log P / lp(|Y|). This checks the cache reordering, the per-sentence encoder keys/
+    values shared by a sentence's hypotheses, and picking tokens by logit before
+    normalising."""
+    model = model_fn()
+    src = random_src(LENGTHS)
+    hyps = beam_search(model, src, beam=4, alpha=0.6, max_len_a=1.0, max_len_b=5, nbest=4)
+    caps = [max_output_len(n + 1, 1.0, 5) for n in LENGTHS]
+    with torch.no_grad():
+        memory, src_mask = model.encode(src)
+        for i, sent in enumerate(hyps):
+            assert len(sent) == 4
+            for h in sent:
+                ended = len(h.tokens) < caps[i]  # below the cap it ended in EOS
+                out = h.tokens + [EOS_ID] if ended else h.tokens
+                tgt_in = torch.tensor([[BOS_ID] + out[:-1]])
+                logits = model.decode(tgt_in, memory[i:i + 1], src_mask[i:i + 1])[0]
+                if model_fn is eos_ramp_model:  # the same nudge, at positions 0..T-1
+                    logits[:, EOS_ID] += 0.5 * torch.arange(len(out)) - 3.0
+                lp = logits.float().log_softmax(-1).gather(1, torch.tensor(out)[:, None]).sum()
+                assert h.log_prob == pytest.approx(float(lp), abs=1e-4)
+                assert h.score == pytest.approx(h.log_prob / length_penalty(len(out), 0.6))

@@ -169,6 +169,8 @@ class MultiHeadAttention(nn.Module):
         else:
             q = self._split(self.w_q(x), self.d_k)
             k, v = kv if kv is not None else self.project_kv(memory)  # type: ignore[arg-type]
+            if k.size(0) != q.size(0):
+                return self.w_o(self._attend_grouped(q, k, v, mask))
         if self.record_weights:
             m = mask
             if causal:
@@ -180,27 +182,67 @@ class MultiHeadAttention(nn.Module):
         # (B, H, Tq, Vd) -> (B, Tq, H*Vd)
         return self.w_o(out.transpose(1, 2).flatten(2))
 
+    def _attend_grouped(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+        """Beam search: the g = B / A hypotheses of each of A sentences attend to that
+        sentence's keys/values (A, H, S, K), kept once per sentence instead of g copies.
+
+        The g queries become one block of g*Tq queries (Eq. 1 treats each query row on its
+        own), so the products are A*H blocks of g rows instead of B*H single rows.
+        q: (B, H, Tq, K) with B = A*g, sentence-major; mask: (B, 1, 1, S). -> (B, Tq, H*Vd).
+        """
+        b, h, tq, d_k = q.shape
+        a = k.size(0)
+        g = b // a
+        if g * a != b:
+            raise ValueError(f"{b} query rows do not split into groups over {a} sentences")
+        q = q.view(a, g, h, tq, d_k).transpose(1, 2).reshape(a, h, g * tq, d_k)
+        if mask is not None:
+            mask = mask[::g]  # the rows of one sentence share its source mask
+        if self.record_weights:
+            self.last_weights = attention_weights(q, k, mask).detach().view(
+                a, h, g, tq, -1).transpose(1, 2).reshape(b, h, tq, -1)
+        out = scaled_dot_product_attention(q, k, v, mask)  # (A, H, g*Tq, Vd); eval only
+        return out.view(a, h, g, tq, self.d_v).permute(0, 2, 3, 1, 4).reshape(b, tq, h * self.d_v)
+
 
 class KVCache:
-    """Self-attention keys and values of the tokens decoded so far, preallocated once."""
+    """Self-attention keys and values of the tokens decoded so far: (B, H, t, K), contiguous.
 
-    def __init__(self, batch: int, h: int, d_k: int, d_v: int, max_len: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
-        self.k = torch.empty(batch, h, max_len, d_k, device=device, dtype=dtype)
-        self.v = torch.empty(batch, h, max_len, d_v, device=device, dtype=dtype)
-        self.length = 0
+    Contiguous because on the CPU a bf16 matrix product first copies any other layout (a
+    slice of a preallocated max-length buffer included), and a beam reordering copies the
+    cache anyway. So each step writes the cache once, into a new buffer one position
+    longer: the pending reordering is gathered straight into it (no extra pass), then the
+    new keys/values go at the end.
+    """
+
+    def __init__(self, batch: int, h: int, d_k: int, d_v: int, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        self.k = torch.empty(batch, h, 0, d_k, device=device, dtype=dtype)
+        self.v = torch.empty(batch, h, 0, d_v, device=device, dtype=dtype)
+        self._index: Tensor | None = None  # rows to keep, not yet applied
+
+    @property
+    def length(self) -> int:
+        return self.k.size(2)
 
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        t = k.size(2)
-        self.k[:, :, self.length:self.length + t] = k
-        self.v[:, :, self.length:self.length + t] = v
-        self.length += t
-        return self.k[:, :, :self.length], self.v[:, :, :self.length]
+        self.k, self.v = self._grow(self.k, k), self._grow(self.v, v)
+        self._index = None
+        return self.k, self.v
+
+    def _grow(self, old: Tensor, new: Tensor) -> Tensor:
+        t = old.size(2)
+        out = new.new_empty(new.size(0), new.size(1), t + new.size(2), new.size(3))
+        if self._index is None:
+            out[:, :, :t] = old
+        else:
+            torch.index_select(old, 0, self._index, out=out[:, :, :t])
+        out[:, :, t:] = new
+        return out
 
     def reorder(self, index: Tensor) -> None:
-        """Keep the rows `index` (beam search reordering), in place of the old ones."""
-        self.k = self.k.index_select(0, index)
-        self.v = self.v.index_select(0, index)
+        """Keep the rows `index` (beam search reordering); applied at the next append."""
+        self._index = index if self._index is None else self._index.index_select(0, index)
 
 
 # --------------------------------------------------------------------------- 3.3
@@ -242,10 +284,13 @@ class LayerState:
     self_cache: KVCache
     memory_kv: tuple[Tensor, Tensor]
 
-    def reorder(self, index: Tensor) -> None:
+    def reorder(self, index: Tensor, sentences: Tensor | None = None) -> None:
+        """Keep hypothesis rows `index`; and sentences `sentences` of the encoder K/V, which
+        are kept once per sentence (None: the same sentences as before)."""
         self.self_cache.reorder(index)
-        k, v = self.memory_kv
-        self.memory_kv = (k.index_select(0, index), v.index_select(0, index))
+        if sentences is not None:
+            k, v = self.memory_kv
+            self.memory_kv = (k.index_select(0, sentences), v.index_select(0, sentences))
 
 
 class DecoderLayer(nn.Module):
@@ -376,12 +421,16 @@ class Transformer(nn.Module):
 
     # -- incremental decoding (section 6.1 inference) ---------------------------------
     def init_state(self, memory: Tensor, max_len: int) -> list[LayerState]:
-        """Per-layer state for incremental decoding: encoder K/V once, empty self caches."""
+        """Per-layer state for incremental decoding: encoder K/V once, empty self caches.
+
+        `max_len` (the output cap) is part of the search protocol; this cache grows as it
+        goes and does not need it.
+        """
         b = memory.size(0)
         states = []
         for layer in self.decoder:
-            cache = KVCache(b, self.cfg.h, self.cfg.d_k, self.cfg.d_v, max_len,
-                            memory.device, memory.dtype)
+            cache = KVCache(b, self.cfg.h, self.cfg.d_k, self.cfg.d_v, memory.device,
+                            memory.dtype)
             states.append(LayerState(cache, layer.cross_attn.project_kv(memory)))
         return states
 

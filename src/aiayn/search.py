@@ -53,7 +53,9 @@ class Hypothesis:
 class IncrementalDecoder(Protocol):
     """What search needs from a model (see `Transformer`): encode once, then decode steps.
 
-    `init_state` returns per-layer states with a `reorder(index)` method.
+    `init_state` returns per-layer states with a `reorder(index, sentences=None)` method:
+    keep hypothesis rows `index`, and of what is stored once per sentence (the encoder's
+    keys/values), the sentences `sentences` (None: unchanged).
     """
 
     def encode(self, src: Tensor) -> tuple[Tensor, Tensor]: ...
@@ -116,24 +118,32 @@ def output_caps(model: Any, src: Tensor, a: float, b: float) -> list[int]:
     return caps
 
 
-def next_log_probs(model: IncrementalDecoder, last: Tensor, src_mask: Tensor,
-                   states: Any) -> Tensor:
-    """log-softmax of the next-token logits, in float32 even if the model runs in bf16.
+def next_logits(model: IncrementalDecoder, last: Tensor, src_mask: Tensor,
+                states: Any) -> tuple[Tensor, Tensor]:
+    """Next-token logits in float32 (even if the model runs in bf16) and their log-normaliser.
+
+    log P(token) = logits[token] - lse. Within a row, the order of the logits is the order
+    of the log-probabilities, so search picks tokens by logit and normalises only the few
+    it keeps, instead of a log-softmax over the whole (R, V) table.
 
     Args:
         last: (R, 1) the newest token of each row. src_mask: (R, 1, 1, S).
     Returns:
-        (R, V) float32, -inf at the tokens that are never generated.
+        logits (R, V), -inf at the tokens that are never generated (their probability
+        still counts in the normaliser: the model's distribution is not renormalised);
+        lse (R, 1).
     """
-    log_probs = model.decode_step(last, src_mask, states).float().log_softmax(dim=-1)
-    log_probs[:, list(NEVER_GENERATED)] = float("-inf")
-    return log_probs
+    logits = model.decode_step(last, src_mask, states).float()
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    logits[:, list(NEVER_GENERATED)] = float("-inf")
+    return logits, lse
 
 
-def reorder_states(states: Any, index: Tensor) -> None:
-    """Keep rows `index` of every layer's incremental state (beam reordering, dropping rows)."""
+def reorder_states(states: Any, index: Tensor, sentences: Tensor | None = None) -> None:
+    """Keep rows `index` of every layer's incremental state (beam reordering, dropping
+    rows) and, if given, sentences `sentences` of what is kept once per sentence."""
     for state in states:
-        state.reorder(index)
+        state.reorder(index, sentences)
 
 
 # ------------------------------------------------------------------------- greedy
@@ -158,7 +168,7 @@ def greedy_search(model: IncrementalDecoder, src: Tensor, max_len_a: float,
     active = list(range(len(caps)))  # row -> sentence
     last = torch.full((len(caps), 1), BOS_ID, dtype=torch.long, device=src.device)
     for _ in range(max(caps)):
-        best = next_log_probs(model, last, src_mask, states).argmax(dim=-1)  # (R,)
+        best = next_logits(model, last, src_mask, states)[0].argmax(dim=-1)  # (R,)
         keep = []
         for row, (sent, token) in enumerate(zip(active, best.tolist(), strict=True)):
             if token == EOS_ID:
@@ -168,8 +178,11 @@ def greedy_search(model: IncrementalDecoder, src: Tensor, max_len_a: float,
                 keep.append(row)
         if not keep:
             break
+        if len(keep) == len(active):  # nobody finished: the state needs no reordering
+            last = best.unsqueeze(1)
+            continue
         index = torch.tensor(keep, device=src.device)
-        reorder_states(states, index)
+        reorder_states(states, index, index)  # one row per sentence
         src_mask, last = src_mask[index], best[index].unsqueeze(1)
         active = [active[row] for row in keep]
     return out
@@ -207,13 +220,15 @@ def _expand(model: IncrementalDecoder, beams: _Beams, states: Any,
         last = torch.full((a * k, 1), BOS_ID, dtype=torch.long, device=beams.scores.device)
     else:
         last = beams.tokens[:, -1:]
-    log_probs = next_log_probs(model, last, beams.src_mask, states)  # (A*k, V)
-    vocab = log_probs.size(-1)
-    candidates = (beams.scores.view(-1, 1) + log_probs).view(a, k * vocab)
+    logits, lse = next_logits(model, last, beams.src_mask, states)  # (A*k, V), (A*k, 1)
+    # A sentence's k best of its k*V extensions are among each slot's own k best tokens.
+    per_slot = min(k, logits.size(-1))
+    top, token = logits.topk(per_slot, dim=-1)  # (A*k, per_slot)
+    candidates = (beams.scores.view(-1, 1) + (top - lse)).view(a, k * per_slot)
     scores, flat = candidates.topk(k, dim=1)  # (A, k)
-    origin = torch.div(flat, vocab, rounding_mode="floor")  # slot within the sentence
+    origin = torch.div(flat, per_slot, rounding_mode="floor")  # slot within the sentence
     rows = origin + torch.arange(a, device=flat.device).unsqueeze(1) * k
-    return scores, rows, flat % vocab
+    return scores, rows, token.view(a, k * per_slot).gather(1, flat)
 
 
 def _finish(candidate: list[int], log_prob: float, length: int, alpha: float) -> Hypothesis:
@@ -279,6 +294,7 @@ def beam_search(model: IncrementalDecoder, src: Tensor, beam: int, alpha: float,
         return finished
     memory, src_mask = model.encode(src)
     states = model.init_state(memory, max(caps))  # encoder K/V projected once per sentence
+    # k hypothesis rows per sentence; what is per sentence (the encoder K/V) stays single
     reorder_states(states, torch.arange(len(caps), device=src.device).repeat_interleave(beam))
     beams = _init_beams(src_mask, beam)
     while beams.sent:
@@ -293,7 +309,7 @@ def beam_search(model: IncrementalDecoder, src: Tensor, beam: int, alpha: float,
                                                    alpha)]
         kept = torch.tensor(keep, dtype=torch.long, device=src.device)
         index = rows[kept].view(-1)  # reorder by origin and drop done sentences at once
-        reorder_states(states, index)
+        reorder_states(states, index, kept if len(keep) < a else None)
         beams = _Beams([beams.sent[i] for i in keep],
                        tokens.view(a, beam, step)[kept].view(-1, step), live[kept],
                        beams.src_mask[index])
