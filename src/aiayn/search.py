@@ -119,7 +119,7 @@ def output_caps(model: Any, src: Tensor, a: float, b: float) -> list[int]:
 
 
 def next_logits(model: IncrementalDecoder, last: Tensor, src_mask: Tensor,
-                states: Any) -> tuple[Tensor, Tensor]:
+                states: Any, *, normalise: bool = True) -> tuple[Tensor, Tensor | None]:
     """Next-token logits in float32 (even if the model runs in bf16) and their log-normaliser.
 
     log P(token) = logits[token] - lse. Within a row, the order of the logits is the order
@@ -131,10 +131,10 @@ def next_logits(model: IncrementalDecoder, last: Tensor, src_mask: Tensor,
     Returns:
         logits (R, V), -inf at the tokens that are never generated (their probability
         still counts in the normaliser: the model's distribution is not renormalised);
-        lse (R, 1).
+        lse (R, 1), or None if not `normalise` (greedy search only needs the argmax).
     """
     logits = model.decode_step(last, src_mask, states).float()
-    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True) if normalise else None
     logits[:, list(NEVER_GENERATED)] = float("-inf")
     return logits, lse
 
@@ -168,7 +168,8 @@ def greedy_search(model: IncrementalDecoder, src: Tensor, max_len_a: float,
     active = list(range(len(caps)))  # row -> sentence
     last = torch.full((len(caps), 1), BOS_ID, dtype=torch.long, device=src.device)
     for _ in range(max(caps)):
-        best = next_logits(model, last, src_mask, states)[0].argmax(dim=-1)  # (R,)
+        logits, _ = next_logits(model, last, src_mask, states, normalise=False)
+        best = logits.argmax(dim=-1)  # (R,)
         keep = []
         for row, (sent, token) in enumerate(zip(active, best.tolist(), strict=True)):
             if token == EOS_ID:
@@ -221,6 +222,7 @@ def _expand(model: IncrementalDecoder, beams: _Beams, states: Any,
     else:
         last = beams.tokens[:, -1:]
     logits, lse = next_logits(model, last, beams.src_mask, states)  # (A*k, V), (A*k, 1)
+    assert lse is not None
     # A sentence's k best of its k*V extensions are among each slot's own k best tokens.
     per_slot = min(k, logits.size(-1))
     top, token = logits.topk(per_slot, dim=-1)  # (A*k, per_slot)
