@@ -134,9 +134,45 @@ def next_logits(model: IncrementalDecoder, last: Tensor, src_mask: Tensor,
         lse (R, 1), or None if not `normalise` (greedy search only needs the argmax).
     """
     logits = model.decode_step(last, src_mask, states).float()
-    lse = torch.logsumexp(logits, dim=-1, keepdim=True) if normalise else None
+    lse = log_normaliser(logits) if normalise else None
     logits[:, list(NEVER_GENERATED)] = float("-inf")
     return logits, lse
+
+
+def log_normaliser(x: Tensor) -> Tensor:
+    """log sum exp over the last dimension of (R, V) -> (R, 1): torch.logsumexp's own steps
+    (max, exp of the difference, sum, log, plus the max), with one (R, V) temporary
+    instead of two (fresh (R, V) tables are a large part of a decoding step's cost here)."""
+    m = x.amax(dim=-1, keepdim=True)
+    m = m.masked_fill(m.isinf(), 0.0)  # a row of -inf (or with +inf) stays as logsumexp has it
+    return (x - m).exp_().sum(dim=-1, keepdim=True).log_().add_(m)
+
+
+def top_k_rows(x: Tensor, k: int, block: int = 128) -> tuple[Tensor, Tensor]:
+    """The k largest entries of each row of a wide (R, V) table: torch.topk(x, k, dim=-1).
+
+    A row's k largest entries lie in the k blocks of `block` columns with the largest
+    maxima (a block holding one of them has a maximum at least as large as the k-th
+    largest entry, and a block holding none has a maximum no larger), so one vectorised
+    max over the table narrows the search to k * block columns; torch.topk's per-row
+    selection over all V columns is several times slower on the CPU. Equal values may
+    come out in a different order than torch.topk's.
+    """
+    r, v = x.shape
+    n_blocks = v // block
+    if n_blocks <= k or x.stride(1) != 1:
+        return x.topk(k, dim=-1)
+    blocks = x.as_strided((r, n_blocks, block), (x.stride(0), block, 1))
+    best = blocks.amax(dim=-1).topk(k, dim=-1).indices  # (R, k)
+    values = blocks.gather(1, best.unsqueeze(-1).expand(r, k, block)).view(r, k * block)
+    columns = (best.unsqueeze(-1) * block
+               + torch.arange(block, device=x.device)).view(r, k * block)
+    if n_blocks * block < v:  # the columns after the last whole block are all candidates
+        values = torch.cat([values, x[:, n_blocks * block:]], dim=1)
+        rest = torch.arange(n_blocks * block, v, device=x.device)
+        columns = torch.cat([columns, rest.expand(r, -1)], dim=1)
+    top, where = values.topk(k, dim=-1)
+    return top, columns.gather(1, where)
 
 
 def reorder_states(states: Any, index: Tensor, sentences: Tensor | None = None) -> None:
@@ -225,7 +261,7 @@ def _expand(model: IncrementalDecoder, beams: _Beams, states: Any,
     assert lse is not None
     # A sentence's k best of its k*V extensions are among each slot's own k best tokens.
     per_slot = min(k, logits.size(-1))
-    top, token = logits.topk(per_slot, dim=-1)  # (A*k, per_slot)
+    top, token = top_k_rows(logits, per_slot)  # (A*k, per_slot)
     candidates = (beams.scores.view(-1, 1) + (top - lse)).view(a, k * per_slot)
     scores, flat = candidates.topk(k, dim=1)  # (A, k)
     origin = torch.div(flat, per_slot, rounding_mode="floor")  # slot within the sentence
