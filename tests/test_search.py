@@ -403,24 +403,3 @@ def test_beam_scores_equal_teacher_forced_recomputation(model_fn) -> None:
                 assert h.log_prob == pytest.approx(float(lp), abs=1e-4)
                 assert h.score == pytest.approx(h.log_prob / length_penalty(len(out), 0.6))
 
-
-@pytest.mark.parametrize("shape", [(7, 1000), (5, 1031), (3, 300), (4, 9)])
-def test_top_k_rows_equals_torch_topk(shape) -> None:
-    """The blocked top-k used by beam search gives torch.topk's values, and indices that
-    hold those values, also with ties (-inf columns and repeated values) and a ragged last
-    block; the log-normaliser equals torch.logsumexp."""
-    from aiayn.search import log_normaliser, top_k_rows
-
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(shape, generator=g)
-    x[0, : shape[1] // 2] = float("-inf")
-    x[1] = x[1].round()  # many ties
-    x[-1, -1] = 50.0  # the largest entry in the ragged tail
-    for k in (1, 4):
-        values, index = top_k_rows(x, k, block=64)
-        ref_values, _ = x.topk(k, dim=-1)
-        assert torch.equal(values, ref_values)
-        assert torch.equal(x.gather(1, index), values)
-        assert all(len(set(row)) == k for row in index.tolist())
-    torch.testing.assert_close(log_normaliser(x), torch.logsumexp(x, -1, keepdim=True),
-                               rtol=0, atol=1e-6)

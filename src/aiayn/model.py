@@ -433,7 +433,9 @@ class Transformer(nn.Module):
         for layer in self.decoder:
             cache = KVCache(b, self.cfg.h, self.cfg.d_k, self.cfg.d_v, memory.device,
                             memory.dtype)
-            states.append(LayerState(cache, layer.cross_attn.project_kv(memory)))
+            # contiguous once here, or the CPU's bf16 matrix products copy them every step
+            k, v = layer.cross_attn.project_kv(memory)
+            states.append(LayerState(cache, (k.contiguous(), v.contiguous())))
         return states
 
     def decode_step(self, tokens: Tensor, src_mask: Tensor,

@@ -119,60 +119,34 @@ def output_caps(model: Any, src: Tensor, a: float, b: float) -> list[int]:
 
 
 def next_logits(model: IncrementalDecoder, last: Tensor, src_mask: Tensor,
-                states: Any, *, normalise: bool = True) -> tuple[Tensor, Tensor | None]:
-    """Next-token logits in float32 (even if the model runs in bf16) and their log-normaliser.
-
-    log P(token) = logits[token] - lse. Within a row, the order of the logits is the order
-    of the log-probabilities, so search picks tokens by logit and normalises only the few
-    it keeps, instead of a log-softmax over the whole (R, V) table.
+                states: Any) -> Tensor:
+    """The model's next-token logits (R, V) in float32 (even if the model runs in bf16),
+    with -inf at the tokens that are never generated.
 
     Args:
         last: (R, 1) the newest token of each row. src_mask: (R, 1, 1, S).
-    Returns:
-        logits (R, V), -inf at the tokens that are never generated (their probability
-        still counts in the normaliser: the model's distribution is not renormalised);
-        lse (R, 1), or None if not `normalise` (greedy search only needs the argmax).
     """
     logits = model.decode_step(last, src_mask, states).float()
-    lse = log_normaliser(logits) if normalise else None
     logits[:, list(NEVER_GENERATED)] = float("-inf")
-    return logits, lse
+    return logits
 
 
-def log_normaliser(x: Tensor) -> Tensor:
-    """log sum exp over the last dimension of (R, V) -> (R, 1): torch.logsumexp's own steps
-    (max, exp of the difference, sum, log, plus the max), with one (R, V) temporary
-    instead of two (fresh (R, V) tables are a large part of a decoding step's cost here)."""
-    m = x.amax(dim=-1, keepdim=True)
-    m = m.masked_fill(m.isinf(), 0.0)  # a row of -inf (or with +inf) stays as logsumexp has it
-    return (x - m).exp_().sum(dim=-1, keepdim=True).log_().add_(m)
+def best_next_tokens(model: IncrementalDecoder, last: Tensor, src_mask: Tensor,
+                     states: Any, k: int) -> tuple[Tensor, Tensor]:
+    """Each row's k most probable next tokens and their log-probabilities, in float32 even
+    if the model runs in bf16: (R, k) log P, (R, k) token ids, best first.
 
-
-def top_k_rows(x: Tensor, k: int, block: int = 128) -> tuple[Tensor, Tensor]:
-    """The k largest entries of each row of a wide (R, V) table: torch.topk(x, k, dim=-1).
-
-    A row's k largest entries lie in the k blocks of `block` columns with the largest
-    maxima (a block holding one of them has a maximum at least as large as the k-th
-    largest entry, and a block holding none has a maximum no larger), so one vectorised
-    max over the table narrows the search to k * block columns; torch.topk's per-row
-    selection over all V columns is several times slower on the CPU. Equal values may
-    come out in a different order than torch.topk's.
+    log P(token) = logit - logsumexp(logits), and within a row the order of the logits is
+    the order of the log-probabilities, so the k best are picked by logit and only they
+    are normalised, instead of a log-softmax over the whole (R, V) table. The normaliser
+    covers every token, those never generated included: the model's distribution is not
+    renormalised.
     """
-    r, v = x.shape
-    n_blocks = v // block
-    if n_blocks <= k or x.stride(1) != 1:
-        return x.topk(k, dim=-1)
-    blocks = x.as_strided((r, n_blocks, block), (x.stride(0), block, 1))
-    best = blocks.amax(dim=-1).topk(k, dim=-1).indices  # (R, k)
-    values = blocks.gather(1, best.unsqueeze(-1).expand(r, k, block)).view(r, k * block)
-    columns = (best.unsqueeze(-1) * block
-               + torch.arange(block, device=x.device)).view(r, k * block)
-    if n_blocks * block < v:  # the columns after the last whole block are all candidates
-        values = torch.cat([values, x[:, n_blocks * block:]], dim=1)
-        rest = torch.arange(n_blocks * block, v, device=x.device)
-        columns = torch.cat([columns, rest.expand(r, -1)], dim=1)
-    top, where = values.topk(k, dim=-1)
-    return top, columns.gather(1, where)
+    logits = model.decode_step(last, src_mask, states).float()
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    logits[:, list(NEVER_GENERATED)] = float("-inf")
+    top, token = logits.topk(min(k, logits.size(-1)), dim=-1)
+    return top - lse, token
 
 
 def reorder_states(states: Any, index: Tensor, sentences: Tensor | None = None) -> None:
@@ -204,8 +178,7 @@ def greedy_search(model: IncrementalDecoder, src: Tensor, max_len_a: float,
     active = list(range(len(caps)))  # row -> sentence
     last = torch.full((len(caps), 1), BOS_ID, dtype=torch.long, device=src.device)
     for _ in range(max(caps)):
-        logits, _ = next_logits(model, last, src_mask, states, normalise=False)
-        best = logits.argmax(dim=-1)  # (R,)
+        best = next_logits(model, last, src_mask, states).argmax(dim=-1)  # (R,)
         keep = []
         for row, (sent, token) in enumerate(zip(active, best.tolist(), strict=True)):
             if token == EOS_ID:
@@ -257,12 +230,10 @@ def _expand(model: IncrementalDecoder, beams: _Beams, states: Any,
         last = torch.full((a * k, 1), BOS_ID, dtype=torch.long, device=beams.scores.device)
     else:
         last = beams.tokens[:, -1:]
-    logits, lse = next_logits(model, last, beams.src_mask, states)  # (A*k, V), (A*k, 1)
-    assert lse is not None
     # A sentence's k best of its k*V extensions are among each slot's own k best tokens.
-    per_slot = min(k, logits.size(-1))
-    top, token = top_k_rows(logits, per_slot)  # (A*k, per_slot)
-    candidates = (beams.scores.view(-1, 1) + (top - lse)).view(a, k * per_slot)
+    log_p, token = best_next_tokens(model, last, beams.src_mask, states, k)  # (A*k, <=k)
+    per_slot = log_p.size(1)
+    candidates = (beams.scores.view(-1, 1) + log_p).view(a, k * per_slot)
     scores, flat = candidates.topk(k, dim=1)  # (A, k)
     origin = torch.div(flat, per_slot, rounding_mode="floor")  # slot within the sentence
     rows = origin + torch.arange(a, device=flat.device).unsqueeze(1) * k
