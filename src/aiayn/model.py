@@ -42,8 +42,9 @@ class Dropout(nn.Module):
             return F.dropout(x, self.p, training=True)
         keep = cpu_keep_mask(x.shape, self.p)
         scale = torch.full((), 1.0 / (1.0 - self.p), dtype=x.dtype)
-        # 0 or scale, as where(keep, scale, 0) but ~20x faster on the CPU: converting the
-        # mask's bytes (a uint8 view) is vectorised, a bool tensor's select is not.
+        # 0 or scale, the same values as where(keep, scale, 0): converting the mask's bytes
+        # (a uint8 view) took ~0.1 ms for 0.5M elements where where() took ~4.5 ms (one
+        # thread; no whole-step change was measurable through this VM's noise).
         return x * keep.view(torch.uint8).to(x.dtype).mul_(scale)
 
     def extra_repr(self) -> str:

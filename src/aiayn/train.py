@@ -109,11 +109,8 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
         grad = lprobs.exp().sub_(eps / vocab)  # softmax - the uniform part of q
         grad.scatter_add_(1, target.unsqueeze(1),
                           torch.full_like(target, -(1.0 - eps), dtype=grad.dtype).unsqueeze(1))
-        # padding gets no gradient; the product is written in the logits' dtype directly
-        # (one pass over the (N, V) table instead of a multiply and a cast)
-        out = torch.empty_like(grad, dtype=ctx.logits_dtype)
-        torch.mul(grad, (real.to(grad.dtype) * grad_loss).unsqueeze(1), out=out)
-        return out, None, None
+        grad.mul_((real.to(grad.dtype) * grad_loss).unsqueeze(1))  # padding gets no gradient
+        return grad.to(ctx.logits_dtype), None, None
 
 
 # --------------------------------------------------------------------------- the loop
