@@ -14,9 +14,10 @@ from torch import Tensor
 
 from aiayn.batching import pad_right
 from aiayn.config import BOS_ID, EOS_ID, ModelConfig, TrainConfig
+from aiayn.loss import label_smoothed_loss
 from aiayn.model import Transformer
 from aiayn.search import greedy_search
-from aiayn.train import label_smoothed_loss, learning_rate, make_optimizer
+from aiayn.train import learning_rate, make_optimizer
 
 FIRST_SYMBOL, N_SYMBOLS = EOS_ID + 1, 10  # ids 4..13; 0-3 are PAD, UNK, BOS, EOS
 MIN_LEN, MAX_LEN = 3, 8

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from aiayn.config import PAD_ID
-from aiayn.train import label_smoothed_loss, learning_rate
+from aiayn.loss import generator_loss, label_smoothed_loss
+from aiayn.train import learning_rate
 
 
 @pytest.mark.parametrize("step", [1, 10, 3999, 4000, 4001, 10_000, 100_000])
@@ -80,3 +81,64 @@ def test_loss_gradient_equals_autograd_of_the_definition(eps):
     torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(mine.grad, ref.grad, rtol=1e-12, atol=1e-12)
     assert not nll.requires_grad
+
+
+def _projection_case(dtype: torch.dtype = torch.float64, vocab: int = 2100, seed: int = 0):
+    """Decoder features, an output weight and targets with padding, over several row blocks
+    and vocabulary blocks of `generator_loss` (ROWS_PER_BLOCK, VOCAB_BLOCK)."""
+    g = torch.Generator().manual_seed(seed)
+    features = torch.randn(9, 17, 16, dtype=dtype, generator=g)
+    weight = torch.randn(vocab, 16, dtype=dtype, generator=g)
+    target = torch.randint(4, vocab, (9, 17), generator=g)
+    target[2, 5:] = PAD_ID
+    target[7, 11:] = PAD_ID
+    return features, weight, target
+
+
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_fused_projection_and_loss_equal_the_definition(eps):
+    """generator_loss(features, W) = label_smoothed_loss(features @ W^T): loss, NLL and the
+    gradients for the features and the (shared) weight, float64; padding rows get none."""
+    features, weight, target = _projection_case()
+    f1, w1 = features.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss, nll = generator_loss(f1, w1, target, eps)
+    (3.0 * loss).backward()
+    f2, w2 = features.clone().requires_grad_(), weight.clone().requires_grad_()
+    ref_loss, ref_nll = label_smoothed_loss(f2 @ w2.t(), target, eps)
+    (3.0 * ref_loss).backward()
+    assert float(loss) == pytest.approx(float(ref_loss), rel=1e-12)
+    assert float(nll) == pytest.approx(float(ref_nll), rel=1e-12)
+    torch.testing.assert_close(f1.grad, f2.grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(w1.grad, w2.grad, rtol=1e-10, atol=1e-12)
+    assert f1.grad[target == PAD_ID].abs().max() == 0
+    with torch.no_grad():  # validation: no gradient table, the same numbers
+        assert float(generator_loss(features, weight, target, eps)[1]) == pytest.approx(
+            float(ref_nll), rel=1e-12)
+
+
+def test_fused_projection_and_loss_in_bf16_are_as_accurate_as_the_unfused_path():
+    """Under bf16 autocast both paths round the logits and the gradient table to bf16; the
+    fused one must be no further from float64 than nn.Linear + label_smoothed_loss."""
+    features, weight, target = _projection_case(torch.float32, vocab=3000, seed=1)
+    weight = weight * 0.3
+    exact_f, exact_w = features.double().requires_grad_(), weight.double().requires_grad_()
+    exact, _ = label_smoothed_loss(exact_f @ exact_w.t(), target, 0.1)
+    exact.backward()
+    errors = {}
+    for name in ("fused", "unfused"):
+        f, w = features.clone().requires_grad_(), weight.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if name == "fused":
+                loss, _ = generator_loss(f, w, target, 0.1)
+            else:
+                loss, _ = label_smoothed_loss(torch.nn.functional.linear(f, w), target, 0.1)
+        (loss / 100).backward()
+        assert f.grad.dtype == w.grad.dtype == torch.float32
+        def rel(mine: torch.Tensor, ref: torch.Tensor) -> float:
+            return float((mine.double() - ref / 100).norm() / (ref / 100).norm())
+
+        errors[name] = [abs(float(loss) - float(exact)) / float(exact),
+                        rel(f.grad, exact_f.grad), rel(w.grad, exact_w.grad)]
+    for fused, unfused in zip(errors["fused"], errors["unfused"], strict=True):
+        assert fused < 1.5 * unfused + 1e-6, errors
+    assert max(errors["fused"]) < 2e-2, errors

@@ -68,7 +68,8 @@ def bench_train(preset: str = "base", dtype: str = "bf16", device: str = "cpu", 
                 steps: int = 10, warmup: int = 3, vocab: int = 10_000, batch: int = 291,
                 peak: bool = True) -> dict[str, Any]:
     """Training tokens/s (source + target non-pad tokens) of one preset; see module doc."""
-    from aiayn.train import label_smoothed_loss, make_optimizer
+    from aiayn.loss import generator_loss
+    from aiayn.train import make_optimizer
 
     cfg = get_preset(preset)
     dev = torch.device(device)
@@ -85,8 +86,8 @@ def bench_train(preset: str = "base", dtype: str = "bf16", device: str = "cpu", 
 
     def step() -> None:
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dtype == "bf16"):
-            logits = model(src, tgt_in)
-        loss, _ = label_smoothed_loss(logits, tgt, cfg.train.eps_ls)
+            features = model(src, tgt_in, features_only=True)
+            loss, _ = generator_loss(features, model.generator.weight, tgt, cfg.train.eps_ls)
         (loss / n_tokens).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

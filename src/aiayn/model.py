@@ -407,8 +407,11 @@ class Transformer(nn.Module):
             x = layer(x, mask)
         return x, mask
 
-    def decode(self, tgt_in: Tensor, memory: Tensor, src_mask: Tensor) -> Tensor:
-        """Teacher-forced decoder: tgt_in (B, T) -> logits (B, T, V).
+    def decode(self, tgt_in: Tensor, memory: Tensor, src_mask: Tensor, *,
+               features_only: bool = False) -> Tensor:
+        """Teacher-forced decoder: tgt_in (B, T) -> logits (B, T, V), or with
+        `features_only` the last layer's output (B, T, D) before the pre-softmax projection
+        (training projects it inside the loss: `aiayn.loss.generator_loss`).
 
         Target padding needs no mask: it only ever follows real tokens, and the causal mask
         already keeps every real position from seeing later ones.
@@ -416,11 +419,11 @@ class Transformer(nn.Module):
         y = self.tgt_embed(tgt_in)
         for layer in self.decoder:
             y = layer(y, memory, src_mask)
-        return self.generator(y)
+        return y if features_only else self.generator(y)
 
-    def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
+    def forward(self, src: Tensor, tgt_in: Tensor, *, features_only: bool = False) -> Tensor:
         memory, mask = self.encode(src)
-        return self.decode(tgt_in, memory, mask)
+        return self.decode(tgt_in, memory, mask, features_only=features_only)
 
     # -- incremental decoding (section 6.1 inference) ---------------------------------
     def init_state(self, memory: Tensor, max_len: int) -> list[LayerState]:

@@ -1,4 +1,5 @@
-"""Training (section 5): label-smoothed loss, Adam with the warmup schedule (Eq. 3), the loop.
+"""Training (section 5): Adam with the warmup schedule (Eq. 3) and the loop (the label-
+smoothed loss is in `aiayn.loss`).
 
 The loop is deterministic: batches come from (seed, epoch) alone and dropout is reseeded
 from (seed, step, rank) before every update, so a run resumed from a checkpoint repeats
@@ -19,17 +20,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from aiayn import checkpoint as ckpt_lib
 from aiayn.batching import Batch, collate, token_batches
-from aiayn.config import PAD_ID, Config, TrainConfig
+from aiayn.config import Config, TrainConfig
 from aiayn.data import Corpus, load_corpus, load_manifest
 from aiayn.distributed import DistContext, init_from_env, shutdown
 from aiayn.faults import Faults
 from aiayn.files import sha256_file, write_text_atomic
 from aiayn.flops import training_flops
+from aiayn.loss import generator_loss
 from aiayn.model import Transformer, count_parameters
 from aiayn.tokenizer import Tokenizer
 
@@ -65,52 +66,6 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Adam:
     """
     return torch.optim.Adam(model.parameters(), lr=0.0, betas=(cfg.beta1, cfg.beta2),
                             eps=cfg.adam_eps, fused=True)
-
-
-# --------------------------------------------------------------------------- 5.4
-def label_smoothed_loss(logits: Tensor, target: Tensor, eps_ls: float) -> tuple[Tensor, Tensor]:
-    """Cross-entropy against (1 - eps_ls) * one-hot + eps_ls * uniform (Szegedy et al. 2016).
-
-    Args:
-        logits: (B, T, V). target: (B, T) with PAD_ID at padding, which is ignored.
-    Returns:
-        (smoothed loss, plain NLL), both summed over the non-pad tokens, in float32; the
-        NLL carries no gradient.
-    """
-    loss, nll = _SmoothedCrossEntropy.apply(logits.flatten(0, 1), target.flatten(), eps_ls)
-    return loss, nll
-
-
-class _SmoothedCrossEntropy(torch.autograd.Function):
-    """The loss above with its gradient written out: d loss / d logits = softmax - q.
-
-    Autograd through log_softmax, gather and sum takes ~4 passes over the (B*T, V)
-    logits plus a zero-filled scatter; the closed form takes two. Tested against autograd.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, logits: Tensor, target: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-        # (N, V) in float32 at least, whatever the compute dtype (bf16 logits are upcast).
-        lprobs = F.log_softmax(logits, dim=-1,
-                               dtype=torch.promote_types(logits.dtype, torch.float32))
-        real = target != PAD_ID
-        nll = -lprobs.gather(1, target.unsqueeze(1)).squeeze(1).masked_fill(~real, 0.0).sum()
-        uniform = -lprobs.sum(dim=-1).masked_fill(~real, 0.0).sum() / lprobs.size(1)
-        loss = (1.0 - eps) * nll + eps * uniform
-        ctx.save_for_backward(lprobs, target, real)
-        ctx.eps, ctx.logits_dtype = eps, logits.dtype
-        ctx.mark_non_differentiable(nll)
-        return loss, nll
-
-    @staticmethod
-    def backward(ctx: Any, grad_loss: Tensor, _grad_nll: Tensor) -> tuple[Tensor, None, None]:
-        lprobs, target, real = ctx.saved_tensors
-        eps, vocab = ctx.eps, lprobs.size(1)
-        grad = lprobs.exp().sub_(eps / vocab)  # softmax - the uniform part of q
-        grad.scatter_add_(1, target.unsqueeze(1),
-                          torch.full_like(target, -(1.0 - eps), dtype=grad.dtype).unsqueeze(1))
-        grad.mul_((real.to(grad.dtype) * grad_loss).unsqueeze(1))  # padding gets no gradient
-        return grad.to(ctx.logits_dtype), None, None
 
 
 # --------------------------------------------------------------------------- the loop
@@ -204,8 +159,8 @@ def validate(model: Transformer, corpus: Corpus, max_tokens: int, device: torch.
                              shuffle=False):
         b = collate(corpus, idx).to(device)
         with _autocast(device, dtype):
-            logits = model(b.src, b.tgt_in)
-        _, nll = label_smoothed_loss(logits, b.tgt_out, 0.0)
+            features = model(b.src, b.tgt_in, features_only=True)
+            _, nll = generator_loss(features, model.generator.weight, b.tgt_out, 0.0)
         nll_sum += float(nll)
         n_tok += b.tgt_tokens
     model.train(was_training)
@@ -497,14 +452,15 @@ class Trainer:
                 with sync:
                     self.faults.oom()
                     with _autocast(self.device, t.dtype):
-                        logits = self.net(batch.src, batch.tgt_in)
-                    loss, nll = label_smoothed_loss(logits, batch.tgt_out, t.eps_ls)
+                        features = self.net(batch.src, batch.tgt_in, features_only=True)
+                        loss, nll = generator_loss(features, self.model.generator.weight,
+                                                   batch.tgt_out, t.eps_ls)
                     loss = self.faults.nan_loss(loss)
                     (loss * scale).backward()
             except (torch.OutOfMemoryError, RuntimeError) as e:
                 if not _is_oom(e):
                     raise
-                logits = loss = nll = None  # free what the failed pass held
+                features = loss = nll = None  # free what the failed pass held
                 return self._skip_oom(e, batches, i)
             loss_sum += float(loss.detach())
             nll_sum += float(nll)
