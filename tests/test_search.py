@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -403,3 +404,22 @@ def test_beam_scores_equal_teacher_forced_recomputation(model_fn) -> None:
                 assert h.log_prob == pytest.approx(float(lp), abs=1e-4)
                 assert h.score == pytest.approx(h.log_prob / length_penalty(len(out), 0.6))
 
+
+
+def test_beam_wider_than_the_vocabulary_finds_the_exhaustive_best() -> None:
+    """Beam 8 over the hand table's 6-token vocabulary (4 ever generated): the first step
+    has fewer candidates than slots (the rest stay empty), and the 3 best hypotheses
+    equal those of an exhaustive enumeration of the table (alpha 0: plain log P)."""
+    model = hand_table()
+
+    def log_p(seq: tuple[int, ...]) -> float:
+        total = 0.0
+        for i, tok in enumerate(seq):
+            total += math.log(model.table.get(seq[:i], model.default)[tok])
+        return total
+
+    every = [(*words, EOS_ID) for n in range(6) for words in itertools.product((A, B), repeat=n)]
+    best = sorted(every, key=log_p, reverse=True)[:3]
+    (hyps,) = beam_search(model, SRC, beam=8, alpha=0.0, max_len_a=0.0, max_len_b=10, nbest=3)
+    assert [h.tokens for h in hyps] == [list(seq[:-1]) for seq in best]
+    assert [h.log_prob for h in hyps] == pytest.approx([log_p(s) for s in best], abs=1e-5)

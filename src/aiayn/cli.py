@@ -390,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"aiayn: error: {e}", file=sys.stderr)
         return 2
-    except (*_known_errors(), ValueError) as e:
+    except (*_known_errors(), ValueError) as e:  # type: ignore[misc]  # a tuple of types
         # Library functions raise ValueError for bad input (line counts that differ in
         # `evaluate`, an unknown split in `data`): one line, the traceback only with -v.
         log.debug("traceback", exc_info=True)

@@ -15,7 +15,7 @@ import hashlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, Any, cast
 
 
 class InputError(ValueError):
@@ -32,7 +32,7 @@ def open_bytes(path: str | Path) -> IO[bytes]:
     f.seek(0)
     if magic == b"\x1f\x8b":
         f.close()
-        return gzip.open(path, "rb")
+        return cast(IO[bytes], gzip.open(path, "rb"))
     return f
 
 
@@ -96,7 +96,7 @@ def atomic_write(path: str | Path, mode: str = "wb") -> Iterator[IO]:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        text = {} if "b" in mode else {"encoding": "utf-8", "newline": "\n"}
+        text: dict[str, Any] = {} if "b" in mode else {"encoding": "utf-8", "newline": "\n"}
         with open(tmp, mode, **text) as f:
             yield f
             f.flush()

@@ -11,7 +11,9 @@ Everything is batch-first. Token id 0 is padding (config.PAD_ID).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -357,7 +359,7 @@ class Embeddings(nn.Module):
         if self.learned is not None:
             pos = self.learned.weight[offset:offset + t]
         else:
-            pos = self.pe[offset:offset + t]
+            pos = self.pe[offset:offset + t]  # type: ignore[index]  # a registered buffer
         return self.dropout(self.token(tokens) * self.scale + pos)
 
 
@@ -434,7 +436,7 @@ class Transformer(nn.Module):
         """
         b = memory.size(0)
         states = []
-        for layer in self.decoder:
+        for layer in cast(Iterable[DecoderLayer], self.decoder):
             cache = KVCache(b, self.cfg.h, self.cfg.d_k, self.cfg.d_v, memory.device,
                             memory.dtype)
             # contiguous once here, or the CPU's bf16 matrix products copy them every step

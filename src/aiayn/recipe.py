@@ -119,7 +119,7 @@ def _truncate_copy(src_prefix: Path, langs: list[str], out_prefix: Path, n: int)
 
 def environment() -> dict[str, Any]:
     """Library versions and machine, for the manifest."""
-    versions = {}
+    versions: dict[str, str | None] = {}
     for name in ("aiayn", "torch", "sentencepiece", "sacrebleu", "sacremoses", "numpy"):
         try:
             versions[name] = metadata.version(name)

@@ -201,43 +201,49 @@ def greedy_search(model: IncrementalDecoder, src: Tensor, max_len_a: float,
 # ------------------------------------------------------------------------- beam
 @dataclass
 class _Beams:
-    """The live hypotheses of the active sentences: A sentences x k slots, batch-first."""
+    """The live hypotheses of the active sentences: A sentences x s slots, batch-first
+    (s = 1 before the first step: k copies of BOS would give k identical candidates)."""
 
     sent: list[int]  # (A,) original index of each active sentence
-    tokens: Tensor  # (A*k, t) tokens decoded so far, BOS excluded
-    scores: Tensor  # (A, k) float32 log P of each slot; -inf = empty slot
-    src_mask: Tensor  # (A*k, 1, 1, S)
+    tokens: Tensor  # (A*s, t) tokens decoded so far, BOS excluded
+    scores: Tensor  # (A, s) float32 log P of each slot; -inf = empty slot
+    src_mask: Tensor  # (A*s, 1, 1, S)
 
 
-def _init_beams(src_mask: Tensor, k: int) -> _Beams:
+def _init_beams(src_mask: Tensor) -> _Beams:
     b = src_mask.size(0)
-    scores = torch.full((b, k), float("-inf"), device=src_mask.device)
-    scores[:, 0] = 0.0  # k identical copies would give k identical candidates: start from one
-    tokens = torch.empty(b * k, 0, dtype=torch.long, device=src_mask.device)
-    return _Beams(list(range(b)), tokens, scores, src_mask.repeat_interleave(k, dim=0))
+    scores = torch.zeros(b, 1, device=src_mask.device)
+    tokens = torch.empty(b, 0, dtype=torch.long, device=src_mask.device)
+    return _Beams(list(range(b)), tokens, scores, src_mask)
 
 
 def _expand(model: IncrementalDecoder, beams: _Beams, states: Any,
             k: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Score all k*V extensions of each sentence and keep its k best.
+    """Score all s*V extensions of each sentence's s slots and keep its k best.
 
     Returns:
-        scores (A, k) float32 log P of the candidates, rows (A, k) the row in A*k each
-        extends, tokens (A, k) the token each appends.
+        scores (A, k) float32 log P of the candidates (-inf pads a sentence with fewer than
+        k), rows (A, k) the row in A*s each extends, tokens (A, k) the token each appends.
     """
-    a = len(beams.sent)
+    a, s = beams.scores.shape
     if beams.tokens.size(1) == 0:
-        last = torch.full((a * k, 1), BOS_ID, dtype=torch.long, device=beams.scores.device)
+        last = torch.full((a * s, 1), BOS_ID, dtype=torch.long, device=beams.scores.device)
     else:
         last = beams.tokens[:, -1:]
-    # A sentence's k best of its k*V extensions are among each slot's own k best tokens.
-    log_p, token = best_next_tokens(model, last, beams.src_mask, states, k)  # (A*k, <=k)
+    # A sentence's k best of its s*V extensions are among each slot's own k best tokens.
+    log_p, token = best_next_tokens(model, last, beams.src_mask, states, k)  # (A*s, <=k)
     per_slot = log_p.size(1)
-    candidates = (beams.scores.view(-1, 1) + log_p).view(a, k * per_slot)
+    candidates = (beams.scores.view(-1, 1) + log_p).view(a, s * per_slot)
+    if candidates.size(1) < k:  # a vocabulary smaller than the beam, at the first step
+        candidates = torch.cat([candidates, candidates.new_full(
+            (a, k - candidates.size(1)), float("-inf"))], dim=1)
+        token = torch.cat([token.view(a, -1), token.new_full(
+            (a, k - s * per_slot), EOS_ID)], dim=1)
     scores, flat = candidates.topk(k, dim=1)  # (A, k)
-    origin = torch.div(flat, per_slot, rounding_mode="floor")  # slot within the sentence
-    rows = origin + torch.arange(a, device=flat.device).unsqueeze(1) * k
-    return scores, rows, token.view(a, k * per_slot).gather(1, flat)
+    # the -inf padding (if any) points back at the sentence's first slot
+    origin = torch.div(flat, per_slot, rounding_mode="floor").clamp_(max=s - 1)
+    rows = origin + torch.arange(a, device=flat.device).unsqueeze(1) * s
+    return scores, rows, token.reshape(a, -1).gather(1, flat)
 
 
 def _finish(candidate: list[int], log_prob: float, length: int, alpha: float) -> Hypothesis:
@@ -302,10 +308,11 @@ def beam_search(model: IncrementalDecoder, src: Tensor, beam: int, alpha: float,
     if not caps:
         return finished
     memory, src_mask = model.encode(src)
-    states = model.init_state(memory, max(caps))  # encoder K/V projected once per sentence
-    # k hypothesis rows per sentence; what is per sentence (the encoder K/V) stays single
-    reorder_states(states, torch.arange(len(caps), device=src.device).repeat_interleave(beam))
-    beams = _init_beams(src_mask, beam)
+    # The encoder K/V are projected once per sentence. The first step decodes one row per
+    # sentence; its k best candidates then become the k hypothesis rows, and what is kept
+    # per sentence (the encoder K/V) stays single.
+    states = model.init_state(memory, max(caps))
+    beams = _init_beams(src_mask)
     while beams.sent:
         scores, rows, new = _expand(model, beams, states, beam)
         a = len(beams.sent)

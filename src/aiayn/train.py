@@ -164,8 +164,8 @@ def validate(model: Transformer, corpus: Corpus, max_tokens: int, device: torch.
         nll_sum += float(nll)
         n_tok += b.tgt_tokens
     model.train(was_training)
-    nll = nll_sum / max(n_tok, 1)
-    return {"valid_nll": nll, "valid_ppl": math.exp(min(nll, 50.0))}
+    mean_nll = nll_sum / max(n_tok, 1)
+    return {"valid_nll": mean_nll, "valid_ppl": math.exp(min(mean_nll, 50.0))}
 
 
 def _autocast(device: torch.device, dtype: str) -> Any:
@@ -432,7 +432,8 @@ class Trainer:
         step = self.state.step + 1
         self.faults.begin_attempt(step)
         _seed_step(t.seed, step, self.dist.rank, self.dist.world_size)
-        loss_sum, nll_sum, src_tok, flops = 0.0, 0.0, 0, 0.0
+        loss_sum, nll_sum, flops = 0.0, 0.0, 0.0
+        src_tok: float = 0  # summed over ranks as a float
         batches = [next(stream) for _ in range(t.update_freq)]
         self._last_batches = [b for _, _, b in batches]
         if self.hooks.on_batch:
@@ -460,12 +461,13 @@ class Trainer:
             except (torch.OutOfMemoryError, RuntimeError) as e:
                 if not _is_oom(e):
                     raise
-                features = loss = nll = None  # free what the failed pass held
+                features = loss = nll = None  # type: ignore[assignment]  # free what it held
                 return self._skip_oom(e, batches, i)
             loss_sum += float(loss.detach())
-            nll_sum += float(nll)
+            nll_sum += float(nll)  # type: ignore[arg-type]  # None only on the OOM path
             src_tok += batch.src_tokens
-            flops += training_flops(self.cfg.model, *batch.src.shape, batch.tgt_in.size(1))
+            flops += training_flops(self.cfg.model, batch.src.size(0), batch.src.size(1),
+                                    batch.tgt_in.size(1))
             self.state.epoch, self.state.batch_in_epoch = epoch, pos
         if self.dist.active:  # every rank reports, and decides on, the same totals
             loss_sum, nll_sum, src_tok, flops = self.dist.all_sum(
