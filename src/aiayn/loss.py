@@ -140,10 +140,10 @@ def _smoothed_ce_rows(logits: Tensor, target: Tensor, eps: float, *,
                       write_grad: bool) -> tuple[Tensor, Tensor]:
     """Summed smoothed loss and NLL of logits (N, V) whose rows are all real tokens.
 
-    The table is scratch (float32/64 tables are worked on in place). With `write_grad` it is
-    overwritten by d loss / d logits = softmax - q, where
-    q = (1 - eps) * one-hot + eps / V. Per row: lse = log sum exp(logits), NLL =
-    lse - logit[target], and the uniform part of q costs lse - mean(logits).
+    Per row: lse = log sum exp(logits), NLL = lse - logit[target], and the uniform part of
+    q = (1 - eps) * one-hot + eps / V costs lse - mean(logits). The table is scratch
+    (float32/64 tables are worked on in place); with `write_grad` it ends holding
+    d loss / d logits = softmax - q.
     """
     n, vocab = logits.shape
     acc = torch.promote_types(logits.dtype, torch.float32)  # bf16 logits are upcast
