@@ -124,6 +124,9 @@ def test_fused_projection_and_loss_in_bf16_are_as_accurate_as_the_unfused_path()
     exact_f, exact_w = features.double().requires_grad_(), weight.double().requires_grad_()
     exact, _ = label_smoothed_loss(exact_f @ exact_w.t(), target, 0.1)
     exact.backward()
+    def rel(mine: torch.Tensor, ref: torch.Tensor) -> float:
+        return float((mine.double() - ref / 100).norm() / (ref / 100).norm())
+
     errors = {}
     for name in ("fused", "unfused"):
         f, w = features.clone().requires_grad_(), weight.clone().requires_grad_()
@@ -134,9 +137,6 @@ def test_fused_projection_and_loss_in_bf16_are_as_accurate_as_the_unfused_path()
                 loss, _ = label_smoothed_loss(torch.nn.functional.linear(f, w), target, 0.1)
         (loss / 100).backward()
         assert f.grad.dtype == w.grad.dtype == torch.float32
-        def rel(mine: torch.Tensor, ref: torch.Tensor) -> float:
-            return float((mine.double() - ref / 100).norm() / (ref / 100).norm())
-
         errors[name] = [abs(float(loss) - float(exact)) / float(exact),
                         rel(f.grad, exact_f.grad), rel(w.grad, exact_w.grad)]
     for fused, unfused in zip(errors["fused"], errors["unfused"], strict=True):

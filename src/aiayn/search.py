@@ -134,7 +134,8 @@ def next_logits(model: IncrementalDecoder, last: Tensor, src_mask: Tensor,
 def best_next_tokens(model: IncrementalDecoder, last: Tensor, src_mask: Tensor,
                      states: Any, k: int) -> tuple[Tensor, Tensor]:
     """Each row's k most probable next tokens and their log-probabilities, in float32 even
-    if the model runs in bf16: (R, k) log P, (R, k) token ids, best first.
+    if the model runs in bf16: (R, k) log P, (R, k) token ids, best first. With fewer than
+    k tokens in the vocabulary the missing candidates are empty: log P -inf.
 
     log P(token) = logit - logsumexp(logits), and within a row the order of the logits is
     the order of the log-probabilities, so the k best are picked by logit and only they
@@ -146,6 +147,10 @@ def best_next_tokens(model: IncrementalDecoder, last: Tensor, src_mask: Tensor,
     lse = torch.logsumexp(logits, dim=-1, keepdim=True)
     logits[:, list(NEVER_GENERATED)] = float("-inf")
     top, token = logits.topk(min(k, logits.size(-1)), dim=-1)
+    if top.size(1) < k:
+        missing = (top.size(0), k - top.size(1))
+        top = torch.cat([top, top.new_full(missing, float("-inf"))], dim=1)
+        token = torch.cat([token, token.new_full(missing, EOS_ID)], dim=1)
     return top - lse, token
 
 
@@ -222,8 +227,8 @@ def _expand(model: IncrementalDecoder, beams: _Beams, states: Any,
     """Score all s*V extensions of each sentence's s slots and keep its k best.
 
     Returns:
-        scores (A, k) float32 log P of the candidates (-inf pads a sentence with fewer than
-        k), rows (A, k) the row in A*s each extends, tokens (A, k) the token each appends.
+        scores (A, k) float32 log P of the candidates, rows (A, k) the row in A*s each
+        extends, tokens (A, k) the token each appends.
     """
     a, s = beams.scores.shape
     if beams.tokens.size(1) == 0:
@@ -231,19 +236,12 @@ def _expand(model: IncrementalDecoder, beams: _Beams, states: Any,
     else:
         last = beams.tokens[:, -1:]
     # A sentence's k best of its s*V extensions are among each slot's own k best tokens.
-    log_p, token = best_next_tokens(model, last, beams.src_mask, states, k)  # (A*s, <=k)
-    per_slot = log_p.size(1)
-    candidates = (beams.scores.view(-1, 1) + log_p).view(a, s * per_slot)
-    if candidates.size(1) < k:  # a vocabulary smaller than the beam, at the first step
-        candidates = torch.cat([candidates, candidates.new_full(
-            (a, k - candidates.size(1)), float("-inf"))], dim=1)
-        token = torch.cat([token.view(a, -1), token.new_full(
-            (a, k - s * per_slot), EOS_ID)], dim=1)
+    log_p, token = best_next_tokens(model, last, beams.src_mask, states, k)  # (A*s, k)
+    candidates = (beams.scores.view(-1, 1) + log_p).view(a, s * k)
     scores, flat = candidates.topk(k, dim=1)  # (A, k)
-    # the -inf padding (if any) points back at the sentence's first slot
-    origin = torch.div(flat, per_slot, rounding_mode="floor").clamp_(max=s - 1)
+    origin = torch.div(flat, k, rounding_mode="floor")  # slot within the sentence
     rows = origin + torch.arange(a, device=flat.device).unsqueeze(1) * s
-    return scores, rows, token.reshape(a, -1).gather(1, flat)
+    return scores, rows, token.view(a, s * k).gather(1, flat)
 
 
 def _finish(candidate: list[int], log_prob: float, length: int, alpha: float) -> Hypothesis:
