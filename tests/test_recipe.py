@@ -9,6 +9,7 @@ import pytest
 
 from aiayn.cli import main
 from aiayn.config import ConfigError
+from aiayn.evaluate import score_files
 from aiayn.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,7 +26,8 @@ SMALL = ["recipe.max_train_pairs=300", "recipe.max_test_pairs=12", "recipe.vocab
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
 def test_recipes_follow_the_paper_where_they_do_not_say_otherwise(path):
     """Section 5/6.1 machinery: post-norm model, sinusoids, shared embeddings, eps_ls 0.1,
-    Adam (0.9, 0.98, 1e-9), beam 4, alpha 0.6, max length input + 50, averaging."""
+    Adam (0.9, 0.98, 1e-9), beam 4, alpha 0.6 (or chosen on the validation set from a
+    grid that includes it, as section 6.1 did), max length input + 50, averaging."""
     cfg, recipe = load_recipe(path)
     assert cfg.model.positional == "sinusoidal" and cfg.model.share_embeddings
     assert (cfg.train.eps_ls, cfg.train.beta1, cfg.train.beta2, cfg.train.adam_eps) == (
@@ -33,6 +35,8 @@ def test_recipes_follow_the_paper_where_they_do_not_say_otherwise(path):
     assert (cfg.decode.beam, cfg.decode.alpha, cfg.decode.max_len_a,
             cfg.decode.max_len_b) == (4, 0.6, 1.0, 50)
     assert recipe.average_last > 1 and cfg.train.keep_last >= recipe.average_last
+    assert not recipe.tune_alpha or 0.6 in recipe.tune_alpha
+    assert all(0 <= a <= 1.5 for a in recipe.tune_alpha)  # > 1 favours ever longer outputs
     assert recipe.source_lang == "en" and recipe.target_lang in path.stem
 
 
@@ -41,6 +45,20 @@ def test_unknown_recipe_key_names_the_closest(tmp_path):
     bad.write_text('preset = "tiny"\n[recipe]\nvocab_sise = 100\n')
     with pytest.raises(ConfigError, match="vocab_size"):
         load_recipe(bad)
+
+
+def test_tune_alpha_is_read_from_the_file_and_from_set(tmp_path):
+    good = tmp_path / "good.toml"
+    good.write_text('preset = "tiny"\n[recipe]\ntune_alpha = [0.6, 1]\n')
+    assert load_recipe(good)[1].tune_alpha == (0.6, 1.0)
+    assert load_recipe(good, {"recipe.tune_alpha": "0.2, 0.4"})[1].tune_alpha == (0.2, 0.4)
+    for bad_value in ('"0.6"', "[0.6, -1]", "[true]"):
+        bad = tmp_path / "bad.toml"
+        bad.write_text(f'preset = "tiny"\n[recipe]\ntune_alpha = {bad_value}\n')
+        with pytest.raises(ConfigError, match="tune_alpha"):
+            load_recipe(bad)
+    with pytest.raises(ConfigError, match="tune_alpha"):
+        load_recipe(good, {"recipe.tune_alpha": "0.6,x"})
 
 
 @pytest.mark.skipif(not MULTI30K.is_dir(), reason="needs ../shared/data/multi30k")
@@ -66,6 +84,18 @@ def test_recipe_runs_end_to_end_on_a_slice(tmp_path, monkeypatch, capsys):
     assert losses[-1] < losses[0]  # it trained
     assert results["flops"]["counted_from_model"] > 0
     assert results["data"]["vocab_sha256"] and results["versions"]["torch"]
+    # alpha was chosen on the (sliced) validation set: the best of the grid, rescored here
+    tuning = results["alpha_tuning"]
+    grid = load_recipe(ROOT / "configs" / "multi30k-en-de.toml")[1].tune_alpha
+    assert [r["alpha"] for r in tuning["tried"]] == list(grid) and tuning["sentences"] == 12
+    ref = out / "data" / "val.first12.de"
+    for r in tuning["tried"]:
+        rescored = score_files(out / "tune_alpha" / f"alpha{r['alpha']:g}.hyp", ref, "de")
+        assert rescored.sacrebleu == r["sacrebleu"]
+    best = max(r["sacrebleu"] for r in tuning["tried"])
+    assert tuning["chosen"] == next(r["alpha"] for r in tuning["tried"] if r["sacrebleu"] == best)
+    assert results["config"]["decode"]["alpha"] == tuning["chosen"]
+    assert f"alpha {tuning['chosen']:g} chosen on val" in printed
     # Rerunning resumes: training is already done, the later stages are redone.
     assert main(args) == 0
     again = json.loads((out / "results.json").read_text())

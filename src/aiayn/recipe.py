@@ -7,6 +7,7 @@ each stage writing files into one run directory:
     RUN/data/prepared/   subword model, id tensors, manifest
     RUN/checkpoint_*.pt  training checkpoints (resumable: rerunning continues)
     RUN/checkpoint_avg.pt  the average of the last K checkpoints
+    RUN/tune_alpha/      the validation set translated at each length penalty tried
     RUN/test.hyp         the translated test set
     RUN/results.json     scores with signatures, and the run's manifest
 
@@ -21,14 +22,14 @@ import logging
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from aiayn.config import Config, ConfigError, apply_overrides, load_experiment
+from aiayn.config import Config, ConfigError, DecodeConfig, apply_overrides, load_experiment
 from aiayn.files import sha256_file, write_text_atomic
 from aiayn.train import Hooks
 
@@ -48,7 +49,11 @@ class RecipeConfig:
     test_split: str = "test_2016_flickr"
     average_last: int = 5  # checkpoints averaged (section 6.1: 5 for base, 20 for big)
     max_train_pairs: int = 0  # 0 = all; a smaller number makes a quick smoke run
-    max_test_pairs: int = 0  # 0 = all; likewise for the test set
+    max_test_pairs: int = 0  # 0 = all; likewise for the test set (and the tune_alpha sentences)
+    # Length penalties tried on the validation set once training is done; the one with the
+    # best sacreBLEU decodes the test set. Section 6.1: beam size and alpha "were chosen
+    # after experimentation on the development set". Empty: decode.alpha as configured.
+    tune_alpha: tuple[float, ...] = ()
 
 
 def parse_recipe(table: dict[str, Any], where: str) -> RecipeConfig:
@@ -61,6 +66,13 @@ def parse_recipe(table: dict[str, Any], where: str) -> RecipeConfig:
             close = difflib.get_close_matches(key, list(names), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigError(f"{where}: unknown key recipe.{key!r}{hint}")
+    if "tune_alpha" in table:
+        grid = table["tune_alpha"]
+        if not isinstance(grid, list | tuple) or not all(
+                isinstance(a, int | float) and not isinstance(a, bool) and a >= 0 for a in grid):
+            raise ConfigError(f"{where}: recipe.tune_alpha must be a list of numbers >= 0, "
+                              f"got {grid!r}")
+        table = {**table, "tune_alpha": tuple(float(a) for a in grid)}
     recipe = RecipeConfig(**table)
     if recipe.dataset != "multi30k":
         raise ConfigError(f"{where}: recipe.dataset must be 'multi30k', got {recipe.dataset!r}")
@@ -75,6 +87,11 @@ def type_like(cls: type, key: str, value: Any) -> Any:
     """A --set string as the type of the RecipeConfig field it sets."""
     name = key.removeprefix("recipe.")
     default = {f.name: f.default for f in fields(cls)}.get(name)
+    if isinstance(default, tuple) and isinstance(value, str):  # "0.6,1.0" -> [0.6, 1.0]
+        try:
+            return [float(x) for x in value.split(",") if x.strip()]
+        except ValueError:
+            raise ConfigError(f"{key} must be comma-separated numbers, got {value!r}") from None
     if isinstance(default, int) and isinstance(value, str):
         try:
             return int(value)
@@ -188,12 +205,13 @@ def run_recipe(path: str | Path, out: str | Path, *, data: str | Path | None = N
     download_multi30k(raw, data, splits=splits, langs=[src, tgt])
     prefixes = {s: raw / s for s in splits}
     for split, n in ((recipe.train_split, recipe.max_train_pairs),
+                     (recipe.valid_split, recipe.max_test_pairs if recipe.tune_alpha else 0),
                      (recipe.test_split, recipe.max_test_pairs)):
         if n:
             prefixes[split] = out / "data" / f"{split}.first{n}"
             _truncate_copy(raw / split, [src, tgt], prefixes[split], n)
     prepared = out / "data" / "prepared"
-    manifest = prepare(src, tgt, prefixes[recipe.train_split], prefixes[recipe.valid_split],
+    manifest = prepare(src, tgt, prefixes[recipe.train_split], raw / recipe.valid_split,
                        None, prepared, vocab_size=recipe.vocab_size,
                        max_len=cfg.train.max_len, max_len_ratio=cfg.train.max_len_ratio)
     wall["data_and_prepare_s"] = time.perf_counter() - t0
@@ -210,10 +228,21 @@ def run_recipe(path: str | Path, out: str | Path, *, data: str | Path | None = N
     paths = list_last(out, recipe.average_last, strict=False)
     save_checkpoint_file(out / "checkpoint_avg.pt", average_checkpoints(paths))
     model, tokenizer, avg_cfg = load_model(out / "checkpoint_avg.pt", device=device)
-    test_src, test_ref = (find_input(prefixes[recipe.test_split], lang) for lang in (src, tgt))
+    wall["average_s"] = time.perf_counter() - t0
 
+    decode, tuning = cfg.decode, None
+    if recipe.tune_alpha:
+        t0 = time.perf_counter()
+        valid = [find_input(prefixes[recipe.valid_split], lang) for lang in (src, tgt)]
+        decode, tuning = tune_alpha(model, tokenizer, valid[0], valid[1], tgt, cfg.decode,
+                                    recipe.tune_alpha, out / "tune_alpha", device=device)
+        tuning["split"] = recipe.valid_split
+        wall["tune_alpha_s"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    test_src, test_ref = (find_input(prefixes[recipe.test_split], lang) for lang in (src, tgt))
     hyp = out / f"{recipe.test_split}.{src}-{tgt}.hyp"
-    summary = translate_file(model, tokenizer, test_src, hyp, cfg.decode, device=device)
+    summary = translate_file(model, tokenizer, test_src, hyp, decode, device=device)
     wall["translate_s"] = time.perf_counter() - t0
     scores = score_files(hyp, test_ref, tgt)
 
@@ -231,9 +260,11 @@ def run_recipe(path: str | Path, out: str | Path, *, data: str | Path | None = N
                   "estimated_time_x_devices_x_peak": state.train_seconds * peak,
                   "sustained_peak_flop_s": peak, "peak_dtype": str(peak_dtype),
                   "model_flop_s": state.flops / max(state.train_seconds, 1e-9)},
-        "wall_seconds": wall, "translate": summary,
+        "wall_seconds": wall, "translate": summary, "alpha_tuning": tuning,
         "parameters": sum(p.numel() for p in model.parameters()),
-        "seed": cfg.train.seed, "config": avg_cfg.to_dict(), "recipe": asdict(recipe),
+        "seed": cfg.train.seed, "recipe": asdict(recipe),
+        # the decode settings the test set was translated with (alpha as tuned)
+        "config": replace(avg_cfg, decode=decode).to_dict(),
         "data": {"prepared_manifest_sha256": sha256_file(prepared / "manifest.json"),
                  "vocab_sha256": manifest["spm_model"]["sha256"],
                  "inputs": manifest["inputs"],
@@ -246,6 +277,37 @@ def run_recipe(path: str | Path, out: str | Path, *, data: str | Path | None = N
     except ImportError:
         log.info("matplotlib is not installed (pip install 'aiayn[plot]'): no curve.png")
     return results
+
+
+def tune_alpha(model: Any, tokenizer: Any, src_path: Path, ref_path: Path, target_lang: str,
+               decode: DecodeConfig, grid: tuple[float, ...], out: Path, *,
+               device: str = "cpu") -> tuple[DecodeConfig, dict[str, Any]]:
+    """Translate the validation set at each length penalty in `grid` and keep the best.
+
+    The criterion is sacreBLEU; a tie goes to the value listed first. The hypotheses stay
+    in `out` (one file per alpha) for inspection.
+
+    Returns:
+        The decode settings with the chosen alpha, and a record of every alpha's scores.
+    """
+    from aiayn.evaluate import score_files
+    from aiayn.translate import translate_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    tried = []
+    for alpha in grid:
+        cfg = replace(decode, alpha=alpha)
+        hyp = out / f"alpha{alpha:g}.hyp"
+        summary = translate_file(model, tokenizer, src_path, hyp, cfg, device=device)
+        s = score_files(hyp, ref_path, target_lang)
+        tried.append({"alpha": alpha, "sacrebleu": s.sacrebleu, "tok_bleu": s.tok_bleu,
+                      "chrf": s.chrf, "seconds": summary["seconds"]})
+        log.info("alpha %g on %s: sacreBLEU %.2f, tok-BLEU %.2f", alpha, src_path.name,
+                 s.sacrebleu, s.tok_bleu)
+    best = max(tried, key=lambda r: r["sacrebleu"])  # max() keeps the first of equals
+    return replace(decode, alpha=best["alpha"]), {
+        "criterion": "sacrebleu", "sentences": s.n_lines, "tried": tried,
+        "chosen": best["alpha"]}
 
 
 def format_results(results: dict[str, Any]) -> str:
@@ -265,4 +327,10 @@ def format_results(results: dict[str, Any]) -> str:
         f"{f['estimated_time_x_devices_x_peak']:.3g} as time x peak "
         f"({f['sustained_peak_flop_s'] / 1e12:.2f} TFLOP/s {f['peak_dtype']})",
     ]
+    tuning = results.get("alpha_tuning")
+    if tuning:
+        tried = ", ".join(f"{r['alpha']:g}: {r['sacrebleu']:.2f}" for r in tuning["tried"])
+        lines.insert(1, f"  beam {results['config']['decode']['beam']}, alpha "
+                        f"{tuning['chosen']:g} chosen on {tuning['split']} "
+                        f"({tuning['sentences']} sentences; sacreBLEU by alpha {tried})")
     return "\n".join(lines)
