@@ -25,13 +25,17 @@ import time
 from dataclasses import asdict, dataclass, fields, replace
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from aiayn.config import Config, ConfigError, DecodeConfig, apply_overrides, load_experiment
 from aiayn.files import sha256_file, write_text_atomic
 from aiayn.train import Hooks
+
+if TYPE_CHECKING:
+    from aiayn.model import Transformer
+    from aiayn.translate import SubwordTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -279,8 +283,8 @@ def run_recipe(path: str | Path, out: str | Path, *, data: str | Path | None = N
     return results
 
 
-def tune_alpha(model: Any, tokenizer: Any, src_path: Path, ref_path: Path, target_lang: str,
-               decode: DecodeConfig, grid: tuple[float, ...], out: Path, *,
+def tune_alpha(model: Transformer, tokenizer: SubwordTokenizer, src_path: Path, ref_path: Path,
+               target_lang: str, decode: DecodeConfig, grid: tuple[float, ...], out: Path, *,
                device: str = "cpu") -> tuple[DecodeConfig, dict[str, Any]]:
     """Translate the validation set at each length penalty in `grid` and keep the best.
 
@@ -293,6 +297,8 @@ def tune_alpha(model: Any, tokenizer: Any, src_path: Path, ref_path: Path, targe
     from aiayn.evaluate import score_files
     from aiayn.translate import translate_file
 
+    if not grid:
+        raise ValueError("tune_alpha needs at least one alpha to try")
     out.mkdir(parents=True, exist_ok=True)
     tried = []
     for alpha in grid:
