@@ -309,3 +309,26 @@ def test_inference_precisions_translate_every_line(model: EosRamp) -> None:
             assert all(p.dtype == torch.bfloat16 for p in m.parameters())
     with pytest.raises(ValueError, match="fp16"):
         cast_for_inference(model, "fp16")
+
+
+def test_tune_alpha_keeps_the_alpha_whose_translations_match_the_references(
+        model: EosRamp, tmp_path) -> None:
+    """The recipe's alpha search (section 6.1: alpha chosen on the development set): with
+    the references set to one alpha's own translations, that alpha must be chosen."""
+    from aiayn.recipe import tune_alpha
+
+    lines = sentences(16, seed=3)
+    src = tmp_path / "val.src"
+    src.write_text("".join(x + "\n" for x in lines), encoding="utf-8")
+    by_alpha = {a: translate_lines(model, TOK, lines, replace(CFG, alpha=a)) for a in (0.0, 1.4)}
+    assert by_alpha[0.0] != by_alpha[1.4]  # the length penalty changes this model's outputs
+    for target, outputs in by_alpha.items():
+        ref = tmp_path / f"ref.{target}"
+        ref.write_text("".join(x + "\n" for x in outputs), encoding="utf-8")
+        decode, record = tune_alpha(model, TOK, src, ref, "en", CFG, (0.0, 1.4),
+                                    tmp_path / f"tune{target}")
+        assert decode.alpha == record["chosen"] == target and decode.beam == CFG.beam
+        scores = {r["alpha"]: r["sacrebleu"] for r in record["tried"]}
+        assert scores[target] == pytest.approx(100.0) and scores[1.4 - target] < 99.0
+        kept = (tmp_path / f"tune{target}" / f"alpha{target:g}.hyp").read_text(encoding="utf-8")
+        assert kept.splitlines() == outputs
