@@ -405,7 +405,6 @@ def test_beam_scores_equal_teacher_forced_recomputation(model_fn) -> None:
                 assert h.score == pytest.approx(h.log_prob / length_penalty(len(out), 0.6))
 
 
-
 def test_beam_wider_than_the_vocabulary_finds_the_exhaustive_best() -> None:
     """Beam 8 over the hand table's 6-token vocabulary (4 ever generated): the first step
     has fewer candidates than slots (the rest stay empty), and the 3 best hypotheses
