@@ -66,8 +66,12 @@ def bench_peak(dtype: str = "bf16", device: str = "cpu", n: int | None = None) -
 
 def bench_train(preset: str = "base", dtype: str = "bf16", device: str = "cpu", *,
                 steps: int = 10, warmup: int = 3, vocab: int = 10_000, batch: int = 291,
-                peak: bool = True) -> dict[str, Any]:
-    """Training tokens/s (source + target non-pad tokens) of one preset; see module doc."""
+                peak: bool = True, compile: bool = False) -> dict[str, Any]:
+    """Training tokens/s (source + target non-pad tokens) of one preset; see module doc.
+
+    compile: run the model's forward through torch.compile (as `train.compile`); the
+    compilation happens in the warm-up steps and is not timed.
+    """
     from aiayn.loss import generator_loss
     from aiayn.train import make_optimizer
 
@@ -77,6 +81,8 @@ def bench_train(preset: str = "base", dtype: str = "bf16", device: str = "cpu", 
     # process, it came out 2-3x lower on the CPU (cause not established).
     p = matmul_peak(DTYPES[dtype], device=device) if peak else None
     model = random_model(preset, vocab).to(dev).train()
+    if compile:
+        model.compile()
     opt = make_optimizer(model, cfg.train)
     src = random_batch(batch, vocab, seed=1).to(dev)
     tgt = random_batch(batch, vocab, seed=2).to(dev)  # ends in EOS: tgt_out
@@ -98,7 +104,7 @@ def bench_train(preset: str = "base", dtype: str = "bf16", device: str = "cpu", 
     result = {"bench": "train", "preset": preset, "dtype": dtype, "device": device,
               "batch_sentences": batch, "tokens": n_tokens, "seconds_per_step": t,
               "tokens_per_s": n_tokens / t, "model_tflops": flops / t / 1e12,
-              "steps": steps, "max_rss_gib": max_rss_gib()}
+              "steps": steps, "compile": compile, "max_rss_gib": max_rss_gib()}
     if p is not None:
         result.update(peak_tflops=p / 1e12, peak_fraction=flops / t / p)
     return result

@@ -211,7 +211,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             result = bench.bench_peak(dtype, args.device)
         elif args.what == "train":
             result = bench.bench_train(args.preset, dtype, args.device, steps=args.steps,
-                                       batch=args.batch_sentences or 291)
+                                       batch=args.batch_sentences or 291,
+                                       compile=args.compile)
         else:
             result = bench.bench_decode(args.preset, dtype, args.device, beam=args.beam,
                                         alpha=args.alpha, out_len=args.out_len,
@@ -357,6 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out-len", type=int, default=20, help="decode: tokens per output")
     p.add_argument("--sentences", type=int, default=500, help="decode: sentences")
     p.add_argument("--batch-sentences", type=int, help="default 291 (train), 64 (decode)")
+    p.add_argument("--compile", action="store_true",
+                   help="train: the model's forward through torch.compile (as train.compile; "
+                        "compiling is not timed)")
     p.add_argument("--json", action="store_true", help="one JSON object per measurement")
     p.set_defaults(func=cmd_bench)
 

@@ -275,6 +275,9 @@ class Trainer:
         self.dist.barrier()
         torch.manual_seed(self.cfg.train.seed)  # the same initial weights for a given seed
         self.model = Transformer(self.cfg.model).to(self.device)
+        if self.cfg.train.compile:
+            # in place: parameters and state_dict keys stay those of the plain model
+            self.model.compile(dynamic=True)
         # Under torchrun the forward pass goes through DDP, which averages the gradients;
         # checkpoints hold the plain model, so they do not depend on the world size.
         self.net: nn.Module = self.model
