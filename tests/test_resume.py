@@ -347,3 +347,23 @@ def test_resume_after_the_corpus_changed_is_refused(small_data: Path, baseline: 
     assert "--reset-dataloader" in proc.stderr and "Traceback" not in proc.stderr
     assert load_checkpoint(run / "checkpoint_last.pt")["step"] == 40
 
+
+
+def test_a_key_newer_than_the_checkpoint_counts_as_its_default() -> None:
+    """A checkpoint written before a config key existed resumes when the key keeps its
+    default (the behaviour it was trained with), and is refused when it does not."""
+    from aiayn.config import Config
+    from aiayn.train import TrainingError, check_resume_compatible
+
+    cfg = apply_overrides(get_preset("tiny"), SMALL)
+    saved = {"config": cfg.to_dict()}
+    for key in ("compile", "clip_norm"):
+        del saved["config"]["train"][key]
+    assert Config().train.clip_norm == 0.0 and not Config().train.compile
+    check_resume_compatible(saved, cfg, reset_optimizer=False, reset_dataloader=False)
+    # torch.compile changes how the forward runs, not the training: free to toggle
+    check_resume_compatible(saved, apply_overrides(cfg, {"train.compile": True}),
+                            reset_optimizer=False, reset_dataloader=False)
+    with pytest.raises(TrainingError, match=r"train.clip_norm: 0.0 -> 1.0"):
+        check_resume_compatible(saved, apply_overrides(cfg, {"clip_norm": 1.0}),
+                                reset_optimizer=False, reset_dataloader=False)

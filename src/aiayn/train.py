@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 RESUMABLE_CHANGES = {"max_steps", "max_minutes", "save_interval_steps", "save_interval_minutes",
                      "patience", "divergence", "divergence_window", "divergence_short",
                      "divergence_sigma", "divergence_lr_factor", "max_rollbacks",
-                     "keep_last", "valid_interval_steps", "log_interval_steps"}
+                     "keep_last", "valid_interval_steps", "log_interval_steps", "compile"}
 OPTIMIZER_KEYS = {"warmup_steps", "lr_scale", "beta1", "beta2", "adam_eps", "clip_norm", "eps_ls",
                   "dtype"}
 DATALOADER_KEYS = {"max_tokens", "update_freq", "seed", "max_len", "max_len_ratio"}
@@ -117,7 +117,14 @@ def _config_diff(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[An
 
 def check_resume_compatible(saved: dict[str, Any], cfg: Config, *, reset_optimizer: bool,
                             reset_dataloader: bool) -> None:
-    """Refuse to resume with different settings, listing the differing keys (fairseq-style)."""
+    """Refuse to resume with different settings, listing the differing keys (fairseq-style).
+
+    A key the checkpoint's config lacks (it was written before the key existed) counts as
+    that key's default, the behaviour it was trained with.
+    """
+    defaults = Config().to_dict()
+    saved = {"config": {section: {**defaults[section], **saved["config"][section]}
+                        for section in ("model", "train")}}
     model_diff = _config_diff(saved["config"]["model"], cfg.to_dict()["model"])
     if model_diff:
         raise TrainingError("cannot resume: the model differs from the checkpoint's: " +
