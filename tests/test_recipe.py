@@ -141,6 +141,11 @@ def test_lowercase_recipe_trains_translates_and_scores_lowercased_text(tmp_path,
     assert sum(any(c.isalpha() for c in p) for p in pieces) > 100
     hyp = out / "test_2016_flickr.en-de.hyp"
     assert hyp.read_text(encoding="utf-8") == hyp.read_text(encoding="utf-8").lower()
+    # the averaged checkpoint lowercases whatever it is given to translate
+    from aiayn.checkpoint import load_model
+
+    _, tokenizer, _ = load_model(out / "checkpoint_avg.pt")
+    assert tokenizer.encode("A Man IN Blue") == tokenizer.encode("a man in blue")
     results = json.loads((out / "results.json").read_text())
     assert results["recipe"]["lowercase"] is True
     # scored against the lowercased references (the toy model's outputs are empty, so the

@@ -57,6 +57,23 @@ def test_roundtrip_on_training_lines(tok: Tokenizer, train_files: list[Path],
         assert tok.decode(tok.encode(x)) == " ".join(x.split())
 
 
+@needs_multi30k
+def test_a_lowercasing_vocabulary_lowercases_what_it_encodes(tok: Tokenizer,
+                                                             train_files: list[Path]) -> None:
+    """recipe.lowercase: the vocabulary itself lowercases, so a checkpoint trained on
+    lowercased text lowercases any input it translates (and keeps German's ß)."""
+    lc = Tokenizer.train(train_files, 1000, None, lowercase=True)
+    assert lc.sha256 != tok.sha256
+    lines = [x for path in train_files for x in read_lines(path)]
+    assert sum(x != x.lower() for x in lines) > 0.9 * len(lines)
+    for x in lines[:200] + ["Eine Frau geht die STRASSE entlang, Straße."]:
+        assert lc.encode(x) == lc.encode(x.lower())
+        assert lc.decode(lc.encode(x)) == lc.normalize(x) == tok.normalize(x.lower())
+    pieces = [lc.id_to_piece(i) for i in range(lc.vocab_size)]
+    assert all(p == p.lower() for p in pieces)
+    assert any(p != p.lower() for p in (tok.id_to_piece(i) for i in range(tok.vocab_size)))
+
+
 @pytest.mark.rows("E6")
 @needs_multi30k
 def test_training_is_deterministic(train_files: list[Path], tmp_path: Path) -> None:

@@ -112,7 +112,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
                        Path(args.testpref) if args.testpref else None, Path(args.out),
                        vocab_size=args.vocab_size, max_len=args.max_len,
                        max_len_ratio=args.max_len_ratio, on_empty=args.on_empty,
-                       on_bad_utf8=args.on_bad_utf8)
+                       on_bad_utf8=args.on_bad_utf8, lowercase=args.lowercase)
     for split, info in manifest.get("splits", {}).items():
         print(f"{split}: {info}")
     print(f"prepared {args.out}")
@@ -278,6 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-len-ratio", type=float, default=9.0)
     p.add_argument("--on-empty", choices=["skip", "error"], default="skip")
     p.add_argument("--on-bad-utf8", choices=["error", "skip"], default="error")
+    p.add_argument("--lowercase", action="store_true",
+                   help="a vocabulary that lowercases its input (and so the model's)")
     p.set_defaults(func=cmd_prepare)
 
     p = sub.add_parser("train", help="train or resume a model")

@@ -235,7 +235,7 @@ def prepare(source_lang: str, target_lang: str, trainpref: str | Path,
             out: str | Path | None = None, *, vocab_size: int = 8000, max_len: int = 256,
             max_len_ratio: float = 9.0, on_empty: str = "skip", on_bad_utf8: str = "error",
             max_filtered_fraction: float = 0.5, tokenizer: Tokenizer | None = None,
-            seed: int = 1) -> dict[str, Any]:
+            seed: int = 1, lowercase: bool = False) -> dict[str, Any]:
     """Turn raw parallel text into the id tensors, vocabulary and manifest training reads.
 
     Args:
@@ -252,6 +252,8 @@ def prepare(source_lang: str, target_lang: str, trainpref: str | Path,
         max_filtered_fraction: fail if a split loses more than this fraction of its pairs.
         tokenizer: reuse this vocabulary instead of training one on the training text.
         seed: passed to the tokenizer trainer.
+        lowercase: train a vocabulary that lowercases what it encodes (see
+            Tokenizer.train); the checkpoint then lowercases any input it translates.
 
     Returns:
         The manifest, as written to `out/manifest.json`.
@@ -269,7 +271,7 @@ def prepare(source_lang: str, target_lang: str, trainpref: str | Path,
     if tokenizer is None:  # one vocabulary for both languages, learned on training text only
         train = pairs["train"]
         tokenizer = Tokenizer.train_from_sentences(chain(train.src, train.tgt), vocab_size,
-                                                   None, seed=seed)
+                                                   None, seed=seed, lowercase=lowercase)
     opts = {"max_len": max_len, "max_len_ratio": max_len_ratio,
             "max_filtered_fraction": max_filtered_fraction}
     encoded = {split: _encode_split(split, p, tokenizer, opts) for split, p in pairs.items()}
@@ -282,7 +284,8 @@ def prepare(source_lang: str, target_lang: str, trainpref: str | Path,
         "vocab_size": tokenizer.vocab_size,
         "special_ids": {"pad": PAD_ID, "unk": UNK_ID, "bos": BOS_ID, "eos": EOS_ID},
         "spm_model": {"path": SPM_FILE, "sha256": tokenizer.sha256, "trained": trained},
-        "settings": dict(opts, on_empty=on_empty, on_bad_utf8=on_bad_utf8, seed=seed),
+        "settings": dict(opts, on_empty=on_empty, on_bad_utf8=on_bad_utf8, seed=seed,
+                         lowercase=lowercase),
         "inputs": {split: {side: {"path": str(path.resolve()), "sha256": sha256_file(path),
                                   "lines": counts[split]}
                            for side, path in zip(("src", "tgt"), paths, strict=True)}

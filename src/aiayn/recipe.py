@@ -67,8 +67,9 @@ class RecipeConfig:
     tune_alpha: tuple[float, ...] = ()
     # Train, translate and score lowercased text, as many published Multi30k systems do
     # (trained on the shared task's lowercased, tokenized files, scored on lowercased
-    # text). Off by default: the translations then have no capitals, and sacreBLEU is
-    # computed against lowercased references.
+    # text). The vocabulary lowercases what it encodes, so the checkpoint lowercases any
+    # input it translates. Off by default: the translations then have no capitals, and
+    # sacreBLEU is computed against lowercased references.
     lowercase: bool = False
 
 
@@ -246,7 +247,8 @@ def run_recipe(path: str | Path, out: str | Path, *, data: str | Path | None = N
     prepared = out / "data" / "prepared"
     manifest = prepare(src, tgt, prefixes[recipe.train_split], full[recipe.valid_split],
                        None, prepared, vocab_size=recipe.vocab_size,
-                       max_len=cfg.train.max_len, max_len_ratio=cfg.train.max_len_ratio)
+                       max_len=cfg.train.max_len, max_len_ratio=cfg.train.max_len_ratio,
+                       lowercase=recipe.lowercase)
     wall["data_and_prepare_s"] = time.perf_counter() - t0
 
     # The matmul ceiling for Table 2's estimate, measured before training (measured after

@@ -58,7 +58,7 @@ class Tokenizer:
 
     @classmethod
     def train(cls, files: list[Path], vocab_size: int, out_path: Path | None, *,
-              seed: int = 1, num_threads: int = 1) -> Tokenizer:
+              seed: int = 1, num_threads: int = 1, lowercase: bool = False) -> Tokenizer:
         """Learn one BPE vocabulary from the lines of all `files` (plain or .gz).
 
         Lines are read with files.read_lines (split on b"\\n" only, strict UTF-8), so what
@@ -72,6 +72,9 @@ class Tokenizer:
                 set anyway so that no future default can make training random).
             num_threads: trainer threads; stored in the model, so keep it fixed for
                 byte-identical results.
+            lowercase: the model lowercases whatever it encodes (sentencepiece's
+                nmt_nfkc_cf rule, stored in the model), so that a model trained on
+                lowercased text lowercases its input at translation time too.
 
         Returns:
             The trained tokenizer.
@@ -81,12 +84,12 @@ class Tokenizer:
                 yield from read_lines(path)
 
         return cls.train_from_sentences(sentences(), vocab_size, out_path, seed=seed,
-                                        num_threads=num_threads)
+                                        num_threads=num_threads, lowercase=lowercase)
 
     @classmethod
     def train_from_sentences(cls, sentences: Iterable[str], vocab_size: int,
                              out_path: Path | None, *, seed: int = 1,
-                             num_threads: int = 1) -> Tokenizer:
+                             num_threads: int = 1, lowercase: bool = False) -> Tokenizer:
         """Like :meth:`train`, from sentences in memory (data.py passes its cleaned pairs)."""
         if vocab_size <= len(_SPECIALS):
             raise ValueError(f"vocab_size must be > {len(_SPECIALS)}, got {vocab_size}")
@@ -100,6 +103,7 @@ class Tokenizer:
                 # the shuffle never runs: the model depends on the text alone.
                 input_sentence_size=0, shuffle_input_sentence=False,
                 num_threads=num_threads, minloglevel=2,
+                **({"normalization_rule_name": "nmt_nfkc_cf"} if lowercase else {}),
                 pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID)
         except RuntimeError as e:
             raise InputError(f"sentencepiece training failed: {e}") from None
@@ -170,7 +174,8 @@ class Tokenizer:
         return str(self._sp.decode(kept))
 
     def normalize(self, text: str) -> str:
-        """The text the model actually sees: NFKC, whitespace runs collapsed and stripped.
+        """The text the model actually sees: NFKC (lowercased too if the vocabulary was
+        trained with `lowercase`), whitespace runs collapsed and stripped.
 
         For text whose characters are all in the vocabulary,
         ``decode(encode(text)) == normalize(text)``.
