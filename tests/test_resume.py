@@ -348,7 +348,6 @@ def test_resume_after_the_corpus_changed_is_refused(small_data: Path, baseline: 
     assert load_checkpoint(run / "checkpoint_last.pt")["step"] == 40
 
 
-
 def test_a_key_newer_than_the_checkpoint_counts_as_its_default() -> None:
     """A checkpoint written before a config key existed resumes when the key keeps its
     default (the behaviour it was trained with), and is refused when it does not."""
