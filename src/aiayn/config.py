@@ -92,8 +92,8 @@ class TrainConfig:
     seed: int = 1
     dtype: DType = "fp32"
     # torch.compile the model's forward (dynamic shapes): fused element-wise kernels and
-    # fewer launches, for GPUs. On one H100 the recipe model then ran 1.24x faster after
-    # ~3 minutes of compiling (four recompilations); on 2 CPU threads compiled steps ran at
+    # fewer launches, for GPUs. On one H100 the recipe model's steps ran 1.24x faster, after
+    # ~2 minutes of compiling (four compilations); on 2 CPU threads compiled steps ran at
     # 0.67-0.77x the eager speed. Off by default; see docs/performance.md.
     compile: bool = False
     patience: int = 0  # stop after this many validations without a better NLL; 0 = never
