@@ -18,6 +18,7 @@ import io
 import logging
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import sentencepiece as spm
 
@@ -94,6 +95,8 @@ class Tokenizer:
         if vocab_size <= len(_SPECIALS):
             raise ValueError(f"vocab_size must be > {len(_SPECIALS)}, got {vocab_size}")
         writer = io.BytesIO()
+        # only when asked, so that the default model's bytes (and hash) stay as they were
+        case_rule: dict[str, Any] = {"normalization_rule_name": "nmt_nfkc_cf"} if lowercase else {}
         spm.set_random_generator_seed(seed)
         try:
             spm.SentencePieceTrainer.train(
@@ -103,7 +106,7 @@ class Tokenizer:
                 # the shuffle never runs: the model depends on the text alone.
                 input_sentence_size=0, shuffle_input_sentence=False,
                 num_threads=num_threads, minloglevel=2,
-                **({"normalization_rule_name": "nmt_nfkc_cf"} if lowercase else {}),
+                **case_rule,
                 pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID)
         except RuntimeError as e:
             raise InputError(f"sentencepiece training failed: {e}") from None
