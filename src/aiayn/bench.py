@@ -70,7 +70,8 @@ def bench_train(preset: str = "base", dtype: str = "bf16", device: str = "cpu", 
     """Training tokens/s (source + target non-pad tokens) of one preset; see module doc.
 
     compile: run the model's forward through torch.compile (as `train.compile`); the
-    compilation happens in the warm-up steps and is not timed.
+    compilation happens in the warm-up steps, reported as `warmup_seconds`, not in the
+    median.
     """
     from aiayn.loss import generator_loss
     from aiayn.train import make_optimizer

@@ -362,7 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-sentences", type=int, help="default 291 (train), 64 (decode)")
     p.add_argument("--compile", action="store_true",
                    help="train: the model's forward through torch.compile (as train.compile; "
-                        "compiling is not timed)")
+                        "compiling falls in the warm-up, reported as warmup_seconds)")
     p.add_argument("--json", action="store_true", help="one JSON object per measurement")
     p.set_defaults(func=cmd_bench)
 

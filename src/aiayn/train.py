@@ -122,15 +122,15 @@ def check_resume_compatible(saved: dict[str, Any], cfg: Config, *, reset_optimiz
     A key the checkpoint's config lacks (it was written before the key existed) counts as
     that key's default, the behaviour it was trained with.
     """
-    defaults = Config().to_dict()
-    saved = {"config": {section: {**defaults[section], **saved["config"][section]}
-                        for section in ("model", "train")}}
-    model_diff = _config_diff(saved["config"]["model"], cfg.to_dict()["model"])
+    defaults, new = Config().to_dict(), cfg.to_dict()
+    old = {section: {**defaults[section], **saved["config"][section]}
+           for section in ("model", "train")}
+    model_diff = _config_diff(old["model"], new["model"])
     if model_diff:
         raise TrainingError("cannot resume: the model differs from the checkpoint's: " +
                             ", ".join(f"model.{k}: {a} -> {b}" for k, (a, b) in model_diff.items())
                             + " (start a new run directory instead)")
-    train_diff = _config_diff(saved["config"]["train"], cfg.to_dict()["train"])
+    train_diff = _config_diff(old["train"], new["train"])
     blocked = {k: v for k, v in train_diff.items() if k not in RESUMABLE_CHANGES
                and not (k in OPTIMIZER_KEYS and reset_optimizer)
                and not (k in DATALOADER_KEYS and reset_dataloader)}
