@@ -311,6 +311,49 @@ def test_inference_precisions_translate_every_line(model: EosRamp) -> None:
         cast_for_inference(model, "fp16")
 
 
+@pytest.mark.skipif(not __import__("aiayn.translate").translate.can_pack_bf16(),
+                    reason="no oneDNN bf16 linear in this PyTorch build")
+def test_packed_bf16_linears_match_plain_bf16_and_keep_the_model_intact() -> None:
+    """bf16 inference packs every Linear for oneDNN once (PackedLinear): its products must
+    equal nn.Linear's in bf16 (same fp32 accumulation; the reduction order may differ by
+    one bf16 rounding), for 2-D, 3-D and empty inputs, with and without bias; the
+    state_dict keys, the tied embedding and copy/pickle must survive the packing."""
+    import pickle
+
+    from aiayn.translate import PackedLinear, cast_for_inference
+
+    torch.manual_seed(0)
+    for bias in (True, False):
+        lin = torch.nn.Linear(96, 160, bias=bias).to(torch.bfloat16).requires_grad_(False)
+        packed = PackedLinear(lin)
+        for shape in ((5, 96), (3, 7, 96), (0, 96), (300, 96)):
+            x = torch.randn(*shape).to(torch.bfloat16)
+            ref, out = lin(x), packed(x)
+            assert out.shape == ref.shape and out.dtype == torch.bfloat16
+            # one bf16 rounding step (2^-8 relative) of the largest output at most
+            scale = ref.float().abs().amax().item() if ref.numel() else 0.0
+            torch.testing.assert_close(out.float(), ref.float(), rtol=0,
+                                       atol=scale * 2**-7 + 1e-6)
+    cfg = ModelConfig(N=2, d_model=32, d_ff=64, h=4, d_k=8, d_v=8, vocab_size=50)
+    model = Transformer(cfg).eval()
+    keys = list(model.state_dict())
+    m = cast_for_inference(copy.deepcopy(model), "bf16")
+    assert not any(type(x) is torch.nn.Linear for x in m.modules())
+    assert list(m.state_dict()) == keys
+    assert isinstance(m.generator, PackedLinear)
+    assert m.generator.weight is m.tgt_embed.token.weight  # still tied
+    src = torch.randint(4, 50, (3, 6))
+    with torch.inference_mode():
+        ref = Transformer(cfg).eval()
+        ref.load_state_dict(model.state_dict())
+        ref = ref.to(torch.bfloat16)
+        want = ref(src, src)
+        got = m(src, src)
+        torch.testing.assert_close(got.float(), want.float(), rtol=0.05, atol=0.05)
+        for clone in (copy.deepcopy(m), pickle.loads(pickle.dumps(m))):
+            assert torch.equal(clone(src, src), got)
+
+
 def test_tune_alpha_keeps_the_alpha_whose_translations_match_the_references(
         model: EosRamp, tmp_path) -> None:
     """The recipe's alpha search (section 6.1: alpha chosen on the development set): with
