@@ -49,3 +49,29 @@ def test_bench_train_and_decode_report_the_protocol_fields():
     assert train["tokens_per_s"] > 0 and train["model_tflops"] > 0 and train["max_rss_gib"] > 0
     decode = bench_decode("tiny", "fp32", beam=2, out_len=5, sentences=6, batch=4, vocab=200)
     assert decode["sentences_per_s"] > 0 and decode["sentences"] == 6
+
+
+def test_compare_table_ratios_use_each_peers_best_round():
+    """benchmarks/compare.py's ratios are conservative: with --rounds, aiayn's rows are
+    divided by the best measurement of each peer in the run (HF and each CTranslate2
+    compute type alike), whatever the order of the rounds."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "benchmarks" / "compare.py"
+    spec = importlib.util.spec_from_file_location("compare", path)
+    compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare)
+
+    def rec(system, dtype, attn, value):
+        return {"kind": "decode", "preset": "tiny", "dtype": dtype, "system": system,
+                "attn": attn, "sentences_per_s": value, "max_rss_gib": 0.5}
+
+    records = [rec("aiayn", "bf16", "aiayn", 120.0), rec("hf-marian", "bf16", "eager", 60.0),
+               rec("ctranslate2", "any", "int8", 150.0),
+               rec("aiayn", "bf16", "aiayn", 120.0), rec("hf-marian", "bf16", "eager", 80.0),
+               rec("ctranslate2", "any", "int8", 100.0)]
+    rows = [r for r in compare.table(records).splitlines() if "| aiayn |" in r]
+    assert len(rows) == 2
+    for row in rows:  # 120 / 80 and 120 / 150, not the last round's 100
+        assert "x1.50 HF" in row and "x0.80 CT2 int8" in row
