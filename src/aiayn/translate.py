@@ -22,6 +22,7 @@ The source fed to the model is the line's subword ids followed by EOS.
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import time
@@ -119,12 +120,22 @@ class PackedLinear(nn.Module):
                 f"bias={self.bias is not None}, packed=onednn")
 
 
+@functools.cache
 def can_pack_bf16() -> bool:
-    """Whether this PyTorch build has oneDNN's bf16 linear (x86 CPUs with AVX-512 or AMX)."""
+    """Whether this PyTorch build and CPU run oneDNN's packed bf16 linear (x86 CPUs with
+    AVX-512 or AMX): the ops must exist and give nn.Linear's result on a small product."""
     try:
-        return bool(torch.backends.mkldnn.is_available()
-                    and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
+        if not (torch.backends.mkldnn.is_available()
+                and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+            return False
+        gen = torch.Generator().manual_seed(0)
+        w = torch.randn(24, 16, generator=gen).to(torch.bfloat16)
+        x = torch.randn(5, 16, generator=gen).to(torch.bfloat16)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, 5)
+        out = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        return bool(torch.allclose(out.float(), (x.float() @ w.float().t()), rtol=1e-2,
+                                   atol=1e-2))
+    except (AttributeError, RuntimeError, NotImplementedError):
         return False
 
 
