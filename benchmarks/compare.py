@@ -113,8 +113,11 @@ def hf_decode(preset: str, dtype: str, attn: str, beam: int, out_len: int,
 
 
 def ct2_decode(preset: str, compute_type: str, beam: int, out_len: int,
-               sentences: int = 500, batch: int = 64) -> dict[str, Any]:
-    """CTranslate2 on aiayn's bench model (same seed, same sources as `aiayn bench decode`)."""
+               sentences: int = 500, batch: int = 64, workers: int = 1) -> dict[str, Any]:
+    """CTranslate2 on aiayn's bench model (same seed, same sources as `aiayn bench decode`).
+
+    workers > 1: its counterpart of aiayn's workers, `inter_threads` (batches decoded in
+    parallel) with the threads divided among them."""
     import tempfile
 
     import ctranslate2
@@ -132,8 +135,9 @@ def ct2_decode(preset: str, compute_type: str, beam: int, out_len: int,
         to_ctranslate2(model, tmp)
         del model
         translator = ctranslate2.Translator(tmp, device="cpu", compute_type=compute_type,
-                                            intra_threads=torch.get_num_threads(),
-                                            inter_threads=1)
+                                            intra_threads=max(1, torch.get_num_threads()
+                                                              // workers),
+                                            inter_threads=workers)
     options = dict(max_batch_size=batch, beam_size=beam, length_penalty=0.6,
                    min_decoding_length=out_len, max_decoding_length=out_len)
     translator.translate_batch(batch_tokens[:batch], **{**options, "min_decoding_length": 2,
@@ -147,12 +151,12 @@ def ct2_decode(preset: str, compute_type: str, beam: int, out_len: int,
 
 
 def aiayn_measure(kind: str, preset: str, dtype: str, steps: int, beam: int,
-                  out_len: int) -> dict[str, Any]:
+                  out_len: int, workers: int = 1) -> dict[str, Any]:
     from aiayn.bench import bench_decode, bench_train
 
     if kind == "train":
         return bench_train(preset, dtype, steps=steps)
-    return bench_decode(preset, dtype, beam=beam, out_len=out_len, peak=True)
+    return bench_decode(preset, dtype, beam=beam, out_len=out_len, peak=True, workers=workers)
 
 
 def one(spec: dict[str, Any]) -> dict[str, Any]:
@@ -160,9 +164,10 @@ def one(spec: dict[str, Any]) -> dict[str, Any]:
     system, kind = spec["system"], spec["kind"]
     if system == "aiayn":
         r = aiayn_measure(kind, spec["preset"], spec["dtype"], spec["steps"], spec["beam"],
-                          spec["out_len"])
+                          spec["out_len"], spec.get("workers", 1))
     elif system == "ctranslate2":
-        r = ct2_decode(spec["preset"], spec["attn"], spec["beam"], spec["out_len"])
+        r = ct2_decode(spec["preset"], spec["attn"], spec["beam"], spec["out_len"],
+                       workers=spec.get("workers", 1))
     elif kind == "train":
         r = hf_train(spec["preset"], spec["dtype"], spec["attn"], spec["steps"])
     else:
@@ -188,7 +193,8 @@ def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
                         "beam": args.beam, "out_len": args.out_len}
                 if kind == "train" and dtype == "int8":
                     continue
-                specs.append({**base, "system": "aiayn", "attn": "aiayn"})
+                workers = {"workers": args.workers} if kind == "decode" else {}
+                specs.append({**base, **workers, "system": "aiayn", "attn": "aiayn"})
                 if dtype == "int8":  # aiayn's dynamic quantization; HF has no such mode here
                     continue
                 for attn in args.hf_attn.split(","):
@@ -199,7 +205,7 @@ def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
                     specs.append({"kind": kind, "preset": preset, "dtype": "any",
                                   "steps": args.steps, "beam": args.beam,
                                   "out_len": args.out_len, "system": "ctranslate2",
-                                  "attn": compute_type})
+                                  "attn": compute_type, "workers": args.workers})
     return specs
 
 
@@ -249,6 +255,9 @@ def main() -> int:
     p.add_argument("--beam", type=int, default=4)
     p.add_argument("--out-len", type=int, default=20)
     p.add_argument("--rounds", type=int, default=1, help="repeat the whole plan, interleaved")
+    p.add_argument("--workers", type=int, default=1,
+                   help="decode: aiayn's one-thread worker processes, and as many CTranslate2 "
+                        "inter_threads (HF generate has no such setting)")
     p.add_argument("--json", help="also write every record to this file")
     p.add_argument("--one", help=argparse.SUPPRESS)
     args = p.parse_args()

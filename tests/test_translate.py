@@ -137,6 +137,22 @@ def test_batch_size_does_not_change_outputs(model: EosRamp) -> None:
     assert all(o == outputs[0] for o in outputs[1:])
 
 
+def test_worker_processes_give_the_same_outputs_in_order(model: EosRamp) -> None:
+    """Batches decoded by forked one-thread workers (aiayn.workers) give the same n-best
+    lists and scores, in input order, as one process; progress counts every line, blank
+    ones included."""
+    lines = sentences(30, seed=5)
+    lines[4] = ""
+    cfg = replace(CFG, max_tokens=12, nbest=2)  # many small batches
+    seen: list[int] = []
+    ref, ref_stats = translate_nbest(model, TOK, lines, cfg)
+    got, stats = translate_nbest(model, TOK, lines, cfg, progress=seen.append, workers=2)
+    assert got == ref and stats == ref_stats
+    assert sum(seen) == len(lines)
+    with pytest.raises(ValueError, match="workers"):
+        translate_nbest(model, TOK, lines, cfg, workers=0)
+
+
 def test_batches_respect_the_token_budget() -> None:
     """Section 5.1-style batching by source tokens (EOS included): size x longest <=
     max_tokens (a longer line alone), longest first, every line exactly once."""

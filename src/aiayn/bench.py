@@ -31,8 +31,11 @@ FIRST_TOKEN = 4  # ids below are PAD, UNK, BOS, EOS
 
 
 def max_rss_gib() -> float:
-    """Peak resident memory of this process so far (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    """Peak resident memory of this process so far, or of its largest finished child (a
+    decoding worker) if that was larger (Linux reports KiB). A forked worker's figure
+    includes the pages it shares with this process, so the two are not added."""
+    return max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+               resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) / 2**20
 
 
 def random_batch(n: int, vocab: int, lo: int = 12, hi: int = 16, seed: int = 0) -> Tensor:
@@ -151,13 +154,17 @@ class _NoEarlyEOS(nn.Module):
 
 def bench_decode(preset: str = "base", dtype: str = "fp32", device: str = "cpu", *,
                  beam: int = 4, alpha: float = 0.6, out_len: int = 20, sentences: int = 500,
-                 batch: int = 64, vocab: int = 10_000, peak: bool = False) -> dict[str, Any]:
+                 batch: int = 64, vocab: int = 10_000, peak: bool = False,
+                 workers: int = 1) -> dict[str, Any]:
     """Decoding sentences/s with outputs forced to `out_len` tokens; see module doc.
 
     dtype: "fp32", "bf16" (weights and activations), or "int8" (dynamic quantization).
+    workers: batches decoded by this many forked one-thread processes (`aiayn.workers`);
+    the timed run includes starting them.
     """
     from aiayn.search import beam_search, greedy_search
     from aiayn.translate import cast_for_inference
+    from aiayn.workers import check_workers, map_batches
 
     cfg = get_preset(preset)
     dev = torch.device(device)
@@ -167,15 +174,29 @@ def bench_decode(preset: str = "base", dtype: str = "fp32", device: str = "cpu",
     wrapped = _NoEarlyEOS(model)
     src = random_batch(sentences, vocab, seed=3).to(dev)
 
-    def run() -> None:
-        for i in range(0, sentences, batch):
-            chunk = src[i:i + batch]
-            if beam == 1:
-                greedy_search(wrapped, chunk, 0.0, out_len)
-            else:
-                beam_search(wrapped, chunk, beam, alpha, 0.0, out_len)
+    starts = range(0, sentences, batch)
 
-    t = statistics.median(_timed(run, 1, 1, dev))
+    def one_batch(b: int) -> None:
+        chunk = src[starts[b]:starts[b] + batch]
+        if beam == 1:
+            greedy_search(wrapped, chunk, 0.0, out_len)
+        else:
+            beam_search(wrapped, chunk, beam, alpha, 0.0, out_len)
+
+    def run() -> None:
+        map_batches(one_batch, len(starts), workers)
+
+    check_workers(workers, device)
+    if workers > 1:
+        # Warm up as the workers will run (one thread), here, so that the forked workers
+        # inherit the warm caches; a warm-up inside workers would die with them.
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        one_batch(0)
+        torch.set_num_threads(threads)
+        t = statistics.median(_timed(run, 1, 0, dev))
+    else:
+        t = statistics.median(_timed(run, 1, 1, dev))
     # Matrix products of the search: the encoder and its keys/values once per sentence,
     # the decoder once per hypothesis and output position (counted as if teacher-forced).
     mcfg, s_len = replace(cfg.model, vocab_size=vocab), src.size(1)
@@ -183,6 +204,7 @@ def bench_decode(preset: str = "base", dtype: str = "fp32", device: str = "cpu",
         forward_flops(mcfg, sentences, s_len, out_len) - forward_flops(mcfg, sentences, s_len, 0))
     result = {"bench": "decode", "preset": preset, "dtype": dtype, "device": device,
               "beam": beam, "alpha": alpha, "out_len": out_len, "sentences": sentences,
+              "workers": workers,
               "batch_sentences": batch, "seconds": t, "sentences_per_s": sentences / t,
               "model_tflops": flops / t / 1e12, "max_rss_gib": max_rss_gib()}
     if p is not None:

@@ -168,7 +168,7 @@ def cmd_translate(args: argparse.Namespace) -> int:
         overrides["decode.beam"] = 1
     cfg = apply_overrides(cfg, overrides)
     summary = translate_file(model, tokenizer, args.input, args.output, cfg.decode,
-                             device=args.device)
+                             device=args.device, workers=args.workers)
     print(json.dumps(summary), file=sys.stderr)
     return 3 if summary.get("bad_utf8") else 0
 
@@ -217,7 +217,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             result = bench.bench_decode(args.preset, dtype, args.device, beam=args.beam,
                                         alpha=args.alpha, out_len=args.out_len,
                                         sentences=args.sentences,
-                                        batch=args.batch_sentences or 64, peak=True)
+                                        batch=args.batch_sentences or 64, peak=True,
+                                        workers=args.workers)
         if args.json:
             print(json.dumps(result), flush=True)
         else:
@@ -327,6 +328,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="inference precision (bf16: weights and activations, on x86 CPUs "
                         "with weights packed for oneDNN once; int8: dynamic quantization, CPU)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--workers", type=int, default=1,
+                   help="CPU: decode whole batches in this many forked processes of one "
+                        "thread each (e.g. one per core: faster than one process with all "
+                        "threads on small CPUs; see docs/performance.md)")
     p.set_defaults(func=cmd_translate)
 
     p = sub.add_parser("evaluate", help="BLEU (sacreBLEU and tokenized), chrF")
@@ -364,6 +369,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true",
                    help="train: the model's forward through torch.compile (as train.compile; "
                         "compiling falls in the warm-up, reported as warmup_seconds)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="decode: batches in this many processes of one thread each (CPU)")
     p.add_argument("--json", action="store_true", help="one JSON object per measurement")
     p.set_defaults(func=cmd_bench)
 

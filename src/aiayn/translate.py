@@ -39,6 +39,7 @@ from aiayn.config import EOS_ID, PAD_ID, UNK_ID, DecodeConfig
 from aiayn.files import atomic_write, open_bytes
 from aiayn.model import Transformer
 from aiayn.search import Hypothesis, beam_search, position_limit
+from aiayn.workers import check_workers, map_batches
 
 logger = logging.getLogger(__name__)
 
@@ -226,7 +227,7 @@ def _to_translations(tokenizer: SubwordTokenizer, hyps: list[Hypothesis]) -> lis
 
 def translate_nbest(model: Transformer, tokenizer: SubwordTokenizer, lines: Sequence[str],
                     cfg: DecodeConfig, device: str | torch.device = "cpu",
-                    progress: Callable[[int], None] | None = None,
+                    progress: Callable[[int], None] | None = None, workers: int = 1,
                     ) -> tuple[list[list[Translation]], TranslateStats]:
     """Translate lines with beam search; each line gets its `cfg.nbest` best outputs.
 
@@ -235,12 +236,15 @@ def translate_nbest(model: Transformer, tokenizer: SubwordTokenizer, lines: Sequ
         lines: input sentences; blank ones give [] and are not fed to the model.
         cfg: beam, alpha, length cap, nbest, batch size (max_tokens), max_input_len.
         progress: called with the number of lines finished after each batch.
+        workers: CPU only: decode the batches in this many forked processes of one
+            thread each (`aiayn.workers`), instead of one process with all threads.
     Returns:
         One list of Translation per input line, in input order, best first; and counts.
     Raises:
         ConfigError (a ValueError) naming an invalid option, before any work.
     """
     cfg.validate()
+    check_workers(workers, device)
     stats = TranslateStats(lines=len(lines))
     sources = encode_sources(tokenizer, lines, _input_limit(model, cfg), stats)
     results: list[list[Translation]] = [[] for _ in lines]
@@ -249,27 +253,33 @@ def translate_nbest(model: Transformer, tokenizer: SubwordTokenizer, lines: Sequ
         progress(stats.empty)
     model.eval()
     # decode_batches counts the EOS itself: pass the lengths without it.
-    for rows in decode_batches([len(sources[i]) - 1 for i in kept],  # type: ignore[arg-type]
-                               cfg.max_tokens):
-        batch = [kept[r] for r in rows]
-        src = pad_batch([sources[i] for i in batch], device)  # type: ignore[misc]
-        hyps = beam_search(model, src, cfg.beam, cfg.alpha, cfg.max_len_a, cfg.max_len_b,
+    batches = [[kept[r] for r in rows] for rows in decode_batches(
+        [len(sources[i]) - 1 for i in kept], cfg.max_tokens)]  # type: ignore[arg-type]
+
+    def decode(b: int) -> list[list[Hypothesis]]:
+        src = pad_batch([sources[i] for i in batches[b]], device)  # type: ignore[misc]
+        return beam_search(model, src, cfg.beam, cfg.alpha, cfg.max_len_a, cfg.max_len_b,
                            cfg.nbest)
-        for i, sentence_hyps in zip(batch, hyps, strict=True):
+
+    def done(b: int, hyps: list[list[Hypothesis]]) -> None:
+        for i, sentence_hyps in zip(batches[b], hyps, strict=True):
             results[i] = _to_translations(tokenizer, sentence_hyps)
         if progress is not None:
-            progress(len(batch))
+            progress(len(batches[b]))
+
+    map_batches(decode, len(batches), workers, done)
     return results, stats
 
 
 def translate_lines(model: Transformer, tokenizer: SubwordTokenizer, lines: Sequence[str],
                     cfg: DecodeConfig, device: str | torch.device = "cpu",
-                    progress: Callable[[int], None] | None = None) -> list[str]:
+                    progress: Callable[[int], None] | None = None,
+                    workers: int = 1) -> list[str]:
     """The best translation of each line, in input order; "" for a blank line (F1-F3).
 
     See `translate_nbest` for the arguments.
     """
-    nbest, _ = translate_nbest(model, tokenizer, lines, cfg, device, progress)
+    nbest, _ = translate_nbest(model, tokenizer, lines, cfg, device, progress, workers)
     return [outputs[0].text if outputs else "" for outputs in nbest]
 
 
@@ -323,7 +333,8 @@ def format_output(i: int, outputs: list[Translation], nbest: int) -> str:
 def translate_file(model: Transformer, tokenizer: SubwordTokenizer, input_path: str | Path | None,
                    output_path: str | Path | None, cfg: DecodeConfig,
                    device: str | torch.device = "cpu",
-                   progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+                   progress: Callable[[int], None] | None = None,
+                   workers: int = 1) -> dict[str, Any]:
     """Translate a file (or stdin) into a file (atomically, F13) or stdout.
 
     Returns:
@@ -337,7 +348,7 @@ def translate_file(model: Transformer, tokenizer: SubwordTokenizer, input_path: 
     if not lines:
         logger.warning("%s: empty input, writing no output lines",
                        input_path if input_path is not None else "<stdin>")
-    nbest, stats = translate_nbest(model, tokenizer, lines, cfg, device, progress)
+    nbest, stats = translate_nbest(model, tokenizer, lines, cfg, device, progress, workers)
     text = "".join(format_output(i, outputs, cfg.nbest) for i, outputs in enumerate(nbest))
     if output_path is None:
         sys.stdout.write(text)
