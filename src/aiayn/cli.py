@@ -167,8 +167,17 @@ def cmd_translate(args: argparse.Namespace) -> int:
     if args.greedy:
         overrides["decode.beam"] = 1
     cfg = apply_overrides(cfg, overrides)
-    summary = translate_file(model, tokenizer, args.input, args.output, cfg.decode,
-                             device=args.device, workers=args.workers)
+    from tqdm import tqdm
+
+    # lines done, on stderr, only when it is a terminal (the JSON summary follows it)
+    bar = tqdm(unit=" lines", disable=args.no_progress or None, dynamic_ncols=True,
+               file=sys.stderr)
+    try:
+        summary = translate_file(model, tokenizer, args.input, args.output, cfg.decode,
+                                 device=args.device, progress=bar.update,
+                                 workers=args.workers)
+    finally:
+        bar.close()
     print(json.dumps(summary), file=sys.stderr)
     return 3 if summary.get("bad_utf8") else 0
 
@@ -332,6 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CPU: decode whole batches in this many forked processes of one "
                         "thread each (e.g. one per core: faster than one process with all "
                         "threads on small CPUs; see docs/performance.md)")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (drawn only when stderr is a terminal)")
     p.set_defaults(func=cmd_translate)
 
     p = sub.add_parser("evaluate", help="BLEU (sacreBLEU and tokenized), chrF")
