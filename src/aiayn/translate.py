@@ -83,8 +83,9 @@ class PackedLinear(nn.Module):
     `F.linear` on bf16 CPU tensors runs oneDNN's AMX matmul on the plain (out, in) weight,
     which it repacks into AMX's blocked layout on every call; in a beam search the same
     weights are used ~20 times per batch. Packed once, the products of a decoding step
-    (rows 64-1,024, d_model 512) ran 1.1-1.5x faster with bit-identical results
-    (docs/performance.md). Inference only: there is no gradient, and changing `weight`
+    (rows 64-1,024, d_model 512) ran 1.1-1.5x faster, with the same results but for an
+    occasional last-bit difference in some shapes (the reduction is blocked differently;
+    docs/performance.md). Inference only: there is no gradient, and changing `weight`
     afterwards does not change the packed copy. `weight` and `bias` stay parameters, so
     state_dict keys and tied embeddings are unchanged.
     """

@@ -2,8 +2,9 @@
 
 A decoding step is ~1,300 small operators; with two threads each of them is split across
 both cores, which then meet ~1,300 times a step. Handing whole batches to single-threaded
-processes instead, as CTranslate2's `inter_threads` does, decoded 1.3-1.6x more sentences
-per second on a 2-core CPU (docs/performance.md).
+processes instead, as CTranslate2's `inter_threads` does, decoded 1.2-1.6x more sentences
+per second on a 2-core CPU with 64-sentence batches; with batches large enough to keep
+both threads busy, no gain showed (docs/performance.md).
 
 The workers are forked: they share the model's memory (copy-on-write), and only batch
 numbers and results cross between processes. A forked process may use only one OpenMP
