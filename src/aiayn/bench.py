@@ -72,9 +72,10 @@ def bench_train(preset: str = "base", dtype: str = "bf16", device: str = "cpu", 
                 peak: bool = True, compile: bool = False) -> dict[str, Any]:
     """Training tokens/s (source + target non-pad tokens) of one preset; see module doc.
 
-    compile: run the model's forward through torch.compile (as `train.compile`); the
-    compilation happens in the warm-up steps, reported as `warmup_seconds`, not in the
-    median.
+    compile: run the model's forward through torch.compile, with PyTorch's default shape
+    handling (the bench's shapes are fixed; `train.compile` asks for dynamic shapes, as
+    its batches vary); the compilation happens in the warm-up steps, reported as
+    `warmup_seconds`, not in the median.
     """
     from aiayn.loss import generator_loss
     from aiayn.train import make_optimizer
@@ -166,6 +167,7 @@ def bench_decode(preset: str = "base", dtype: str = "fp32", device: str = "cpu",
     from aiayn.translate import cast_for_inference
     from aiayn.workers import check_workers, map_batches
 
+    check_workers(workers, device)
     cfg = get_preset(preset)
     dev = torch.device(device)
     p = matmul_peak(DTYPES.get(dtype, torch.float32), device=device) if peak else None
@@ -186,14 +188,15 @@ def bench_decode(preset: str = "base", dtype: str = "fp32", device: str = "cpu",
     def run() -> None:
         map_batches(one_batch, len(starts), workers)
 
-    check_workers(workers, device)
     if workers > 1:
         # Warm up as the workers will run (one thread), here, so that the forked workers
         # inherit the warm caches; a warm-up inside workers would die with them.
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
-        one_batch(0)
-        torch.set_num_threads(threads)
+        try:
+            one_batch(0)
+        finally:
+            torch.set_num_threads(threads)
         t = statistics.median(_timed(run, 1, 0, dev))
     else:
         t = statistics.median(_timed(run, 1, 1, dev))

@@ -378,8 +378,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sentences", type=int, default=500, help="decode: sentences")
     p.add_argument("--batch-sentences", type=int, help="default 291 (train), 64 (decode)")
     p.add_argument("--compile", action="store_true",
-                   help="train: the model's forward through torch.compile (as train.compile; "
-                        "compiling falls in the warm-up, reported as warmup_seconds)")
+                   help="train: the model's forward through torch.compile (compiling falls "
+                        "in the warm-up, reported as warmup_seconds)")
     p.add_argument("--workers", type=int, default=1,
                    help="decode: batches in this many processes of one thread each (CPU)")
     p.add_argument("--json", action="store_true", help="one JSON object per measurement")
