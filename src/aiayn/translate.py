@@ -167,6 +167,11 @@ def cast_for_inference(model: Transformer, dtype: str) -> Transformer:
     if dtype == "int8":
         from torch.ao.quantization import quantize_dynamic
 
+        device = next(model.parameters()).device
+        if device.type != "cpu":
+            raise ValueError(f"dtype int8 (dynamic quantization) runs on the CPU only, not on "
+                             f"{device}: use bf16 there")
+
         cfg = model.cfg
         model = quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
         model.cfg = cfg  # quantize_dynamic copies the module; keep its config visible
