@@ -67,24 +67,16 @@ def bench_peak(dtype: str = "bf16", device: str = "cpu", n: int | None = None) -
     return {"bench": "peak", "dtype": dtype, "device": device, "n": n, "tflops": flops / 1e12}
 
 
-def bench_train(preset: str = "base", dtype: str = "bf16", device: str = "cpu", *,
-                steps: int = 10, warmup: int = 3, vocab: int = 10_000, batch: int = 291,
-                peak: bool = True, compile: bool = False) -> dict[str, Any]:
-    """Training tokens/s (source + target non-pad tokens) of one preset; see module doc.
-
-    compile: run the model's forward through torch.compile, with PyTorch's default shape
-    handling (the bench's shapes are fixed; `train.compile` asks for dynamic shapes, as
-    its batches vary); the compilation happens in the warm-up steps, reported as
-    `warmup_seconds`, not in the median.
-    """
+def train_step(preset: str = "base", dtype: str = "bf16", device: str = "cpu", *,
+               vocab: int = 10_000, batch: int = 291, compile: bool = False,
+               ) -> tuple[Any, Transformer, Tensor, Tensor]:
+    """The benchmark's training step as a closure, for `bench_train` and for profiling:
+    (step, model, src, tgt). Each call of step() is forward, loss, backward and Adam."""
     from aiayn.loss import generator_loss
     from aiayn.train import make_optimizer
 
     cfg = get_preset(preset)
     dev = torch.device(device)
-    # The ceiling is measured first: measured after the training steps, in the same
-    # process, it came out 2-3x lower on the CPU (cause not established).
-    p = matmul_peak(DTYPES[dtype], device=device) if peak else None
     model = random_model(preset, vocab).to(dev).train()
     if compile:
         model.compile()
@@ -103,6 +95,26 @@ def bench_train(preset: str = "base", dtype: str = "bf16", device: str = "cpu", 
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    return step, model, src, tgt
+
+
+def bench_train(preset: str = "base", dtype: str = "bf16", device: str = "cpu", *,
+                steps: int = 10, warmup: int = 3, vocab: int = 10_000, batch: int = 291,
+                peak: bool = True, compile: bool = False) -> dict[str, Any]:
+    """Training tokens/s (source + target non-pad tokens) of one preset; see module doc.
+
+    compile: run the model's forward through torch.compile, with PyTorch's default shape
+    handling (the bench's shapes are fixed; `train.compile` asks for dynamic shapes, as
+    its batches vary); the compilation happens in the warm-up steps, reported as
+    `warmup_seconds`, not in the median.
+    """
+    dev = torch.device(device)
+    # The ceiling is measured first: measured after the training steps, in the same
+    # process, it came out 2-3x lower on the CPU (cause not established).
+    p = matmul_peak(DTYPES[dtype], device=device) if peak else None
+    step, model, src, tgt = train_step(preset, dtype, device, vocab=vocab, batch=batch,
+                                       compile=compile)
+    n_tokens = int((src != PAD_ID).sum() + (tgt != PAD_ID).sum())
     t0 = time.perf_counter()
     for _ in range(warmup):  # with compile=True, this is where compiling happens
         step()
