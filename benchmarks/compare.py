@@ -53,23 +53,27 @@ def hf_model(preset: str, attn: str) -> Any:
     return MarianMTModel(config)
 
 
-def hf_train(preset: str, dtype: str, attn: str, steps: int, warmup: int = 3) -> dict[str, Any]:
+def hf_train(preset: str, dtype: str, attn: str, steps: int, warmup: int = 3,
+             device: str = "cpu", batch: int = 291) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
 
     from aiayn.bench import _timed, max_rss_gib, random_batch
     from aiayn.config import BOS_ID, EOS_ID, PAD_ID
 
-    model = hf_model(preset, attn).train()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
-    src = random_batch(291, VOCAB, seed=1)
-    tgt = random_batch(291, VOCAB, seed=2)
+    dev = torch.device(device)
+    model = hf_model(preset, attn).to(dev).train()
+    # fused Adam where PyTorch has it for the device, as aiayn's optimizer
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9,
+                           fused=True)
+    src = random_batch(batch, VOCAB, seed=1).to(dev)
+    tgt = random_batch(batch, VOCAB, seed=2).to(dev)
     tgt_in = torch.cat([torch.full_like(tgt[:, :1], BOS_ID), tgt[:, :-1]], dim=1)
     tgt_in = tgt_in.masked_fill(tgt_in == EOS_ID, PAD_ID)
     n_tokens = int((src != PAD_ID).sum() + (tgt != PAD_ID).sum())
 
     def step() -> None:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dtype == "bf16"):
             logits = model(input_ids=src, attention_mask=src != PAD_ID,
                            decoder_input_ids=tgt_in,
                            decoder_attention_mask=tgt_in != PAD_ID).logits
@@ -79,21 +83,23 @@ def hf_train(preset: str, dtype: str, attn: str, steps: int, warmup: int = 3) ->
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    t = statistics.median(_timed(step, steps, warmup, torch.device("cpu")))
-    return {"tokens_per_s": n_tokens / t, "seconds_per_step": t, "max_rss_gib": max_rss_gib()}
+    t = statistics.median(_timed(step, steps, warmup, dev))
+    return {"tokens_per_s": n_tokens / t, "seconds_per_step": t, "max_rss_gib": max_rss_gib(),
+            "batch_sentences": batch, "device": device}
 
 
 def hf_decode(preset: str, dtype: str, attn: str, beam: int, out_len: int,
-              sentences: int = 500, batch: int = 64) -> dict[str, Any]:
+              sentences: int = 500, batch: int = 64, device: str = "cpu") -> dict[str, Any]:
     import torch
 
-    from aiayn.bench import max_rss_gib, random_batch
+    from aiayn.bench import _sync, max_rss_gib, random_batch
     from aiayn.config import PAD_ID
 
-    model = hf_model(preset, attn).eval()
+    dev = torch.device(device)
+    model = hf_model(preset, attn).to(dev).eval()
     if dtype == "bf16":
         model = model.to(torch.bfloat16)
-    src = random_batch(sentences, VOCAB, seed=3)
+    src = random_batch(sentences, VOCAB, seed=3).to(dev)
 
     def run() -> None:
         with torch.inference_mode():
@@ -106,10 +112,13 @@ def hf_decode(preset: str, dtype: str, attn: str, beam: int, out_len: int,
     run_small = src[:batch]
     model.generate(input_ids=run_small, attention_mask=run_small != PAD_ID, num_beams=beam,
                    max_new_tokens=2, min_new_tokens=2)  # warm-up
+    _sync(dev)
     t0 = time.perf_counter()
     run()
+    _sync(dev)
     t = time.perf_counter() - t0
-    return {"sentences_per_s": sentences / t, "seconds": t, "max_rss_gib": max_rss_gib()}
+    return {"sentences_per_s": sentences / t, "seconds": t, "max_rss_gib": max_rss_gib(),
+            "device": device}
 
 
 def ct2_decode(preset: str, compute_type: str, beam: int, out_len: int,
@@ -151,27 +160,32 @@ def ct2_decode(preset: str, compute_type: str, beam: int, out_len: int,
 
 
 def aiayn_measure(kind: str, preset: str, dtype: str, steps: int, beam: int,
-                  out_len: int, workers: int = 1) -> dict[str, Any]:
+                  out_len: int, workers: int = 1, device: str = "cpu",
+                  batch: int = 291) -> dict[str, Any]:
     from aiayn.bench import bench_decode, bench_train
 
     if kind == "train":
-        return bench_train(preset, dtype, steps=steps)
-    return bench_decode(preset, dtype, beam=beam, out_len=out_len, peak=True, workers=workers)
+        return bench_train(preset, dtype, device, steps=steps, batch=batch)
+    return bench_decode(preset, dtype, device, beam=beam, out_len=out_len, peak=True,
+                        workers=workers)
 
 
 def one(spec: dict[str, Any]) -> dict[str, Any]:
     """Run one measurement (in this process) and return its record."""
     system, kind = spec["system"], spec["kind"]
+    device, batch = spec.get("device", "cpu"), spec.get("batch", 291)
     if system == "aiayn":
         r = aiayn_measure(kind, spec["preset"], spec["dtype"], spec["steps"], spec["beam"],
-                          spec["out_len"], spec.get("workers", 1))
+                          spec["out_len"], spec.get("workers", 1), device, batch)
     elif system == "ctranslate2":
         r = ct2_decode(spec["preset"], spec["attn"], spec["beam"], spec["out_len"],
                        workers=spec.get("workers", 1))
     elif kind == "train":
-        r = hf_train(spec["preset"], spec["dtype"], spec["attn"], spec["steps"])
+        r = hf_train(spec["preset"], spec["dtype"], spec["attn"], spec["steps"], device=device,
+                     batch=batch)
     else:
-        r = hf_decode(spec["preset"], spec["dtype"], spec["attn"], spec["beam"], spec["out_len"])
+        r = hf_decode(spec["preset"], spec["dtype"], spec["attn"], spec["beam"], spec["out_len"],
+                      device=device)
     return {**spec, **r}
 
 
@@ -190,7 +204,9 @@ def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
         for kind in args.what.split(","):
             for dtype in args.dtypes.split(","):
                 base = {"kind": kind, "preset": preset, "dtype": dtype, "steps": args.steps,
-                        "beam": args.beam, "out_len": args.out_len}
+                        "beam": args.beam, "out_len": args.out_len, "device": args.device}
+                if kind == "train":
+                    base["batch"] = args.batch_sentences
                 if kind == "train" and dtype == "int8":
                     continue
                 workers = {"workers": args.workers} if kind == "decode" else {}
@@ -199,7 +215,7 @@ def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
                     continue
                 for attn in args.hf_attn.split(","):
                     specs.append({**base, "system": "hf-marian", "attn": attn})
-            if kind == "decode" and args.ct2:
+            if kind == "decode" and args.ct2 and args.device == "cpu":
                 # Compared with every aiayn dtype row: its own compute types, once per preset.
                 for compute_type in args.ct2.split(","):
                     specs.append({"kind": kind, "preset": preset, "dtype": "any",
@@ -258,9 +274,16 @@ def main() -> int:
     p.add_argument("--workers", type=int, default=1,
                    help="decode: aiayn's one-thread worker processes, and as many CTranslate2 "
                         "inter_threads (HF generate has no such setting)")
+    p.add_argument("--device", default="cpu",
+                   help="cpu or cuda (CTranslate2 is compared on the CPU only)")
+    p.add_argument("--batch-sentences", type=int, default=291,
+                   help="training batch in sentence pairs of 12-16 tokens a side (291: ~4,100 "
+                        "tokens a side, the issue's protocol; 1700: ~25,000, the paper's)")
     p.add_argument("--json", help="also write every record to this file")
     p.add_argument("--one", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.device != "cpu" and args.workers != 1:
+        p.error("--workers is for CPU decoding")
     if args.one:
         print(json.dumps(one(json.loads(args.one))))
         return 0
@@ -268,8 +291,10 @@ def main() -> int:
 
     import torch
 
-    print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads", flush=True)
+    where = (torch.cuda.get_device_name(args.device) if args.device != "cpu"
+             else f"{platform.processor() or platform.machine()}, "
+                  f"{torch.get_num_threads()} threads")
+    print(f"# {where}, torch {torch.__version__}", flush=True)
     records = []
     for round_ in range(args.rounds):
         for spec in plan(args):
