@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from aiayn import kernels
 from aiayn.config import PAD_ID, ModelConfig
 
 
@@ -73,11 +74,16 @@ def scaled_dot_product_attention(
 ) -> Tensor:
     """Eq. 1, softmax(Q K^T / sqrt(d_k)) V, with illegal connections set to -inf first.
 
-    Two exact implementations of the same formula: PyTorch's fused kernel (flash/memory-
-    efficient attention; the fastest on CUDA) and the formula written out as two matrix
-    products and a softmax, which on CPU is 2-4x faster to train through in bf16 (the fused
-    CPU kernel's backward is slow for the short sequences of translation). `fused=None`
-    picks by device. Both are tested against a float64 transcription of Eq. 1.
+    Three exact implementations of the same formula: PyTorch's fused kernels (cuDNN, flash,
+    memory-efficient attention), aiayn's own Triton kernel for short sequences on CUDA
+    (`aiayn.kernels`: at translation's sentence lengths PyTorch's kernels mostly compute
+    padding of their tiles), and the formula written out as two matrix products and a
+    softmax, which on CPU is 2-4x faster to train through in bf16 (the fused CPU kernel's
+    backward is slow for short sequences). `fused=None` picks by device and shape: the
+    written-out formula on CPU; on CUDA the Triton kernel where it applies and measured
+    faster (`kernels.preferred`: training in bf16 on large batches, both lengths <= 64, a
+    key-padding mask, no attention dropout), else PyTorch's. `fused=True` forces PyTorch's.
+    All are tested against a float64 transcription of Eq. 1.
 
     Args:
         q: (B, H, Tq, K) queries. k: (B, H, Tk, K) keys. v: (B, H, Tk, Vd) values.
@@ -90,7 +96,12 @@ def scaled_dot_product_attention(
         (B, H, Tq, Vd).
     """
     if fused is None:
-        fused = q.device.type != "cpu"
+        if q.device.type == "cpu":
+            fused = False
+        elif kernels.preferred(q, k, v, mask, causal, dropout_p):
+            return kernels.attention(q, k, v, mask, causal)
+        else:
+            fused = True
     if fused:
         # is_causal aligns the mask top-left; with a cache (Tq < Tk) it must align bottom-right.
         if causal and (mask is not None or q.size(2) != k.size(2)):

@@ -1,0 +1,237 @@
+"""Eq. 1 for short sequences on CUDA GPUs: one Triton program per (sentence, head).
+
+Why: translation's sentences are short (Multi30k: ~13 subwords; WMT: tens). PyTorch's
+fused attention kernels (cuDNN, flash, memory-efficient) tile 64-128 query rows at a time,
+so at 16 positions most of each tile is empty: on an H100, forward + backward over 25,000
+tokens of length 16 (base: 8 heads of 64) took ~1 ms with any of them (the written-out
+formula too), ~10x what reading and writing the tensors costs, and attention was 32% of a
+base training step's GPU time (docs/performance.md, "GPU"). Here each program holds one
+(sentence, head)'s whole Q, K and V (at most MAX_LEN positions) in registers: one read of
+the inputs, one write of the output, no tiles of padding beyond the next power of two.
+
+The math is the flash-attention recipe without the loop over key blocks (one block holds
+all keys): S = Q K^T / sqrt(d_k), masked entries -inf, P = softmax(S) with its log-sum-exp
+kept for the backward, O = P V; backward dV = P^T dO, dS = P * (dO V^T - rowsum(dO * O)),
+dQ = dS K / sqrt(d_k), dK = dS^T Q / sqrt(d_k). Products take bf16 operands with float32
+accumulation (P is rounded to the operands' dtype before P V, as in flash attention), or
+IEEE float32 for float32 inputs. Tested against a float64 transcription of Eq. 1.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: attention takes PyTorch's kernels or the formula
+    triton = None
+
+#: longest query or key length handled here; longer ones go to PyTorch's kernels, which
+#: are efficient once their tiles fill
+MAX_LEN = 64
+_HEAD_DIMS = (16, 32, 64, 128)
+
+
+def available() -> bool:
+    """Whether Triton could be imported (PyTorch's CUDA builds for Linux ship it)."""
+    return triton is not None
+
+
+def applies(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
+            dropout_p: float) -> bool:
+    """Whether `attention` handles this call: CUDA, no attention dropout, a key-padding mask
+    (B or 1, 1, 1, Tk) or none, causal only with as many queries as keys, d_k = d_v a power
+    of two from 16 to 128, both lengths <= MAX_LEN. Not while torch.compile traces (its
+    own kernels for the formula are fused there)."""
+    if not (q.is_cuda and dropout_p == 0.0 and available()):
+        return False
+    if torch.compiler.is_compiling():
+        return False
+    b, h, tq, d = q.shape
+    tk = k.size(2)
+    if not (d in _HEAD_DIMS and v.size(-1) == d and tq <= MAX_LEN and tk <= MAX_LEN):
+        return False
+    if not (q.dtype == k.dtype == v.dtype and q.dtype in (torch.bfloat16, torch.float16,
+                                                          torch.float32)):
+        return False
+    if k.shape[:2] != (b, h) or v.shape[:3] != k.shape[:3]:
+        return False
+    if causal and tq != tk:
+        return False
+    return mask is None or (mask.dim() == 4 and mask.shape[1:3] == (1, 1)
+                            and mask.size(3) == tk and mask.size(0) in (1, b)
+                            and mask.dtype == torch.bool)
+
+
+#: below this many query elements (B * H * Tq * d_k) PyTorch's kernels trained as fast or
+#: faster on an H100: the step is bound by launching kernels, and a Triton launch costs
+#: more CPU time than an ATen one (base bf16: 291 sentences of ~14 tokens, 2.5M elements,
+#: 0.89x; 1,700 sentences, 14.8M elements, 1.23x; docs/performance.md)
+MIN_ELEMENTS = 2**23
+
+
+def preferred(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
+              dropout_p: float) -> bool:
+    """Whether the model should take `attention` rather than PyTorch's kernels: it
+    `applies`, in training (gradients wanted), in 16-bit precision (float32 and decoding
+    measured as fast or faster with PyTorch's), on at least MIN_ELEMENTS query elements."""
+    return (q.requires_grad and torch.is_grad_enabled() and q.dtype != torch.float32
+            and q.numel() >= MIN_ELEMENTS and applies(q, k, v, mask, causal, dropout_p))
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
+              causal: bool = False) -> Tensor:
+    """softmax(Q K^T / sqrt(d_k)) V for q (B, H, Tq, D), k and v (B, H, Tk, D); mask
+    (B, 1, 1, Tk) True = may attend; causal: query i sees keys <= i. Returns (B, H, Tq, D)
+    as a view of a (B, Tq, H, D) tensor, so that concatenating the heads costs nothing.
+    Check `applies` first."""
+    keep = None
+    if mask is not None:
+        keep = mask.reshape(mask.size(0), mask.size(3)).to(torch.int8).contiguous()
+    return _ShortAttention.apply(q, k, v, keep, causal)
+
+
+def _last_dim_contiguous(x: Tensor) -> Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _blocks(tq: int, tk: int) -> tuple[int, int, int]:
+    bq, bk = max(16, triton.next_power_of_2(tq)), max(16, triton.next_power_of_2(tk))
+    return bq, bk, 4 if max(bq, bk) >= 64 else 2
+
+
+class _ShortAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None,
+                causal: bool) -> Tensor:
+        q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+        b, h, tq, d = q.shape
+        tk = k.size(2)
+        o = torch.empty(b, tq, h, d, device=q.device, dtype=q.dtype)
+        lse = torch.empty(b * h, tq, device=q.device, dtype=torch.float32)
+        bq, bk, warps = _blocks(tq, tk)
+        _attn_fwd[(b * h,)](
+            q, k, v, o, lse, keep if keep is not None else q,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(2), o.stride(1),
+            keep.stride(0) if keep is not None and keep.size(0) > 1 else 0,
+            h, tq, tk, d**-0.5,
+            CAUSAL=causal, HAS_MASK=keep is not None, PREC=_precision(q), BQ=bq, BK=bk, D=d,
+            num_warps=warps)
+        ctx.save_for_backward(q, k, v, o, lse, keep)
+        ctx.causal = causal
+        return o.transpose(1, 2)
+
+    @staticmethod
+    def backward(ctx: Any, do: Tensor) -> tuple[Tensor | None, ...]:
+        q, k, v, o, lse, keep = ctx.saved_tensors
+        do = _last_dim_contiguous(do)
+        b, tq, h, d = o.shape
+        tk = k.size(2)
+        dq = torch.empty(b, tq, h, d, device=q.device, dtype=q.dtype)
+        dk = torch.empty(b, tk, h, d, device=q.device, dtype=k.dtype)
+        dv = torch.empty(b, tk, h, d, device=q.device, dtype=v.dtype)
+        bq, bk, warps = _blocks(tq, tk)
+        _attn_bwd[(b * h,)](
+            q, k, v, o, do, lse, keep if keep is not None else q, dq, dk, dv,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(2), o.stride(1),
+            do.stride(0), do.stride(1), do.stride(2),
+            keep.stride(0) if keep is not None and keep.size(0) > 1 else 0,
+            dq.stride(0), dq.stride(2), dq.stride(1), dk.stride(0), dk.stride(2), dk.stride(1),
+            h, tq, tk, d**-0.5,
+            CAUSAL=ctx.causal, HAS_MASK=keep is not None, PREC=_precision(q), BQ=bq, BK=bk,
+            D=d, num_warps=warps)
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None, None
+
+
+def _precision(x: Tensor) -> str:
+    # float32 stays float32 (TF32 would round the operands to 10 bits)
+    return "ieee" if x.dtype == torch.float32 else "tf32"
+
+
+# ------------------------------------------------------------------------- the kernels
+if triton is not None:
+    @triton.jit
+    def _scores(q, k, rq, rk, keep_ptr, b, smb, tq, tk, scale,
+                CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr):
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
+        valid = (rk[None, :] < tk) & (rq[:, None] < tq)
+        if HAS_MASK:
+            keep = tl.load(keep_ptr + b * smb + rk, mask=rk < tk, other=0)
+            valid = valid & (keep[None, :] != 0)
+        if CAUSAL:
+            valid = valid & (rk[None, :] <= rq[:, None])
+        return tl.where(valid, s, float("-inf")), valid
+
+    @triton.jit
+    def _attn_fwd(Q, K, V, Out, LSE, KEEP,
+            sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot, smb,
+            H, TQ, TK, scale,
+            CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr,
+            BQ: tl.constexpr, BK: tl.constexpr, D: tl.constexpr):
+        pid = tl.program_id(0)
+        b = pid // H
+        h = pid % H
+        rq = tl.arange(0, BQ)
+        rk = tl.arange(0, BK)
+        rd = tl.arange(0, D)
+        q = tl.load(Q + b * sqb + h * sqh + rq[:, None] * sqt + rd[None, :],
+                    mask=rq[:, None] < TQ, other=0.0)
+        k = tl.load(K + b * skb + h * skh + rk[:, None] * skt + rd[None, :],
+                    mask=rk[:, None] < TK, other=0.0)
+        v = tl.load(V + b * svb + h * svh + rk[:, None] * svt + rd[None, :],
+                    mask=rk[:, None] < TK, other=0.0)
+        s, valid = _scores(q, k, rq, rk, KEEP, b, smb, TQ, TK, scale, CAUSAL, HAS_MASK, PREC)
+        m = tl.max(s, axis=1)
+        m = tl.where(m == float("-inf"), 0.0, m)  # a row with no legal key: output 0
+        p = tl.where(valid, tl.exp(s - m[:, None]), 0.0)
+        denom = tl.sum(p, axis=1)
+        denom = tl.where(denom == 0.0, 1.0, denom)
+        p = p / denom[:, None]
+        o = tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        tl.store(Out + b * sob + h * soh + rq[:, None] * sot + rd[None, :],
+                 o.to(Out.dtype.element_ty), mask=rq[:, None] < TQ)
+        tl.store(LSE + pid * TQ + rq, m + tl.log(denom), mask=rq < TQ)
+
+    @triton.jit
+    def _attn_bwd(Q, K, V, Out, DO, LSE, KEEP, DQ, DK, DV,
+            sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot, sdb, sdh, sdt, smb,
+            sgqb, sgqh, sgqt, sgkb, sgkh, sgkt,
+            H, TQ, TK, scale,
+            CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr,
+            BQ: tl.constexpr, BK: tl.constexpr, D: tl.constexpr):
+        pid = tl.program_id(0)
+        b = pid // H
+        h = pid % H
+        rq = tl.arange(0, BQ)
+        rk = tl.arange(0, BK)
+        rd = tl.arange(0, D)
+        qm = rq[:, None] < TQ
+        km = rk[:, None] < TK
+        q = tl.load(Q + b * sqb + h * sqh + rq[:, None] * sqt + rd[None, :], mask=qm, other=0.0)
+        k = tl.load(K + b * skb + h * skh + rk[:, None] * skt + rd[None, :], mask=km, other=0.0)
+        v = tl.load(V + b * svb + h * svh + rk[:, None] * svt + rd[None, :], mask=km, other=0.0)
+        o = tl.load(Out + b * sob + h * soh + rq[:, None] * sot + rd[None, :], mask=qm, other=0.0)
+        do = tl.load(DO + b * sdb + h * sdh + rq[:, None] * sdt + rd[None, :], mask=qm,
+                     other=0.0)
+        lse = tl.load(LSE + pid * TQ + rq, mask=rq < TQ, other=0.0)
+        s, valid = _scores(q, k, rq, rk, KEEP, b, smb, TQ, TK, scale, CAUSAL, HAS_MASK, PREC)
+        p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)
+        dv = tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
+        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+        di = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
+        ds = p * (dp - di[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, input_precision=PREC) * scale
+        dk = tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PREC) * scale
+        tl.store(DQ + b * sgqb + h * sgqh + rq[:, None] * sgqt + rd[None, :],
+                 dq.to(DQ.dtype.element_ty), mask=qm)
+        # DK and DV share a layout (B, Tk, H, D)
+        tl.store(DK + b * sgkb + h * sgkh + rk[:, None] * sgkt + rd[None, :],
+                 dk.to(DK.dtype.element_ty), mask=km)
+        tl.store(DV + b * sgkb + h * sgkh + rk[:, None] * sgkt + rd[None, :],
+                 dv.to(DV.dtype.element_ty), mask=km)
