@@ -19,16 +19,12 @@ IEEE float32 for float32 inputs. Tested against a float64 transcription of Eq. 1
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 from typing import Any
 
 import torch
 from torch import Tensor
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: attention takes PyTorch's kernels or the formula
-    triton = None
 
 #: longest query or key length handled here; longer ones go to PyTorch's kernels, which
 #: are efficient once their tiles fill
@@ -36,9 +32,11 @@ MAX_LEN = 64
 _HEAD_DIMS = (16, 32, 64, 128)
 
 
+@functools.cache
 def available() -> bool:
-    """Whether Triton could be imported (PyTorch's CUDA builds for Linux ship it)."""
-    return triton is not None
+    """Whether Triton is installed (PyTorch's CUDA builds for Linux ship it); it is only
+    imported when a kernel first runs."""
+    return importlib.util.find_spec("triton") is not None
 
 
 def applies(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
@@ -100,7 +98,7 @@ def _last_dim_contiguous(x: Tensor) -> Tensor:
 
 
 def _blocks(tq: int, tk: int) -> tuple[int, int, int]:
-    bq, bk = max(16, triton.next_power_of_2(tq)), max(16, triton.next_power_of_2(tk))
+    bq, bk = max(16, 1 << (tq - 1).bit_length()), max(16, 1 << (tk - 1).bit_length())
     return bq, bk, 4 if max(bq, bk) >= 64 else 2
 
 
@@ -114,7 +112,7 @@ class _ShortAttention(torch.autograd.Function):
         o = torch.empty(b, tq, h, d, device=q.device, dtype=q.dtype)
         lse = torch.empty(b * h, tq, device=q.device, dtype=torch.float32)
         bq, bk, warps = _blocks(tq, tk)
-        _attn_fwd[(b * h,)](
+        _triton().attn_fwd[(b * h,)](
             q, k, v, o, lse, keep if keep is not None else q,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(2), o.stride(1),
@@ -136,7 +134,7 @@ class _ShortAttention(torch.autograd.Function):
         dk = torch.empty(b, tk, h, d, device=q.device, dtype=k.dtype)
         dv = torch.empty(b, tk, h, d, device=q.device, dtype=v.dtype)
         bq, bk, warps = _blocks(tq, tk)
-        _attn_bwd[(b * h,)](
+        _triton().attn_bwd[(b * h,)](
             q, k, v, o, do, lse, keep if keep is not None else q, dq, dk, dv,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(2), o.stride(1),
@@ -149,89 +147,12 @@ class _ShortAttention(torch.autograd.Function):
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None, None
 
 
+def _triton() -> Any:
+    from aiayn import _triton_attention
+
+    return _triton_attention
+
+
 def _precision(x: Tensor) -> str:
     # float32 stays float32 (TF32 would round the operands to 10 bits)
     return "ieee" if x.dtype == torch.float32 else "tf32"
-
-
-# ------------------------------------------------------------------------- the kernels
-if triton is not None:
-    @triton.jit
-    def _scores(q, k, rq, rk, keep_ptr, b, smb, tq, tk, scale,
-                CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr):
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
-        valid = (rk[None, :] < tk) & (rq[:, None] < tq)
-        if HAS_MASK:
-            keep = tl.load(keep_ptr + b * smb + rk, mask=rk < tk, other=0)
-            valid = valid & (keep[None, :] != 0)
-        if CAUSAL:
-            valid = valid & (rk[None, :] <= rq[:, None])
-        return tl.where(valid, s, float("-inf")), valid
-
-    @triton.jit
-    def _attn_fwd(Q, K, V, Out, LSE, KEEP,
-            sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot, smb,
-            H, TQ, TK, scale,
-            CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr,
-            BQ: tl.constexpr, BK: tl.constexpr, D: tl.constexpr):
-        pid = tl.program_id(0)
-        b = pid // H
-        h = pid % H
-        rq = tl.arange(0, BQ)
-        rk = tl.arange(0, BK)
-        rd = tl.arange(0, D)
-        q = tl.load(Q + b * sqb + h * sqh + rq[:, None] * sqt + rd[None, :],
-                    mask=rq[:, None] < TQ, other=0.0)
-        k = tl.load(K + b * skb + h * skh + rk[:, None] * skt + rd[None, :],
-                    mask=rk[:, None] < TK, other=0.0)
-        v = tl.load(V + b * svb + h * svh + rk[:, None] * svt + rd[None, :],
-                    mask=rk[:, None] < TK, other=0.0)
-        s, valid = _scores(q, k, rq, rk, KEEP, b, smb, TQ, TK, scale, CAUSAL, HAS_MASK, PREC)
-        m = tl.max(s, axis=1)
-        m = tl.where(m == float("-inf"), 0.0, m)  # a row with no legal key: output 0
-        p = tl.where(valid, tl.exp(s - m[:, None]), 0.0)
-        denom = tl.sum(p, axis=1)
-        denom = tl.where(denom == 0.0, 1.0, denom)
-        p = p / denom[:, None]
-        o = tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        tl.store(Out + b * sob + h * soh + rq[:, None] * sot + rd[None, :],
-                 o.to(Out.dtype.element_ty), mask=rq[:, None] < TQ)
-        tl.store(LSE + pid * TQ + rq, m + tl.log(denom), mask=rq < TQ)
-
-    @triton.jit
-    def _attn_bwd(Q, K, V, Out, DO, LSE, KEEP, DQ, DK, DV,
-            sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot, sdb, sdh, sdt, smb,
-            sgqb, sgqh, sgqt, sgkb, sgkh, sgkt,
-            H, TQ, TK, scale,
-            CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr,
-            BQ: tl.constexpr, BK: tl.constexpr, D: tl.constexpr):
-        pid = tl.program_id(0)
-        b = pid // H
-        h = pid % H
-        rq = tl.arange(0, BQ)
-        rk = tl.arange(0, BK)
-        rd = tl.arange(0, D)
-        qm = rq[:, None] < TQ
-        km = rk[:, None] < TK
-        q = tl.load(Q + b * sqb + h * sqh + rq[:, None] * sqt + rd[None, :], mask=qm, other=0.0)
-        k = tl.load(K + b * skb + h * skh + rk[:, None] * skt + rd[None, :], mask=km, other=0.0)
-        v = tl.load(V + b * svb + h * svh + rk[:, None] * svt + rd[None, :], mask=km, other=0.0)
-        o = tl.load(Out + b * sob + h * soh + rq[:, None] * sot + rd[None, :], mask=qm, other=0.0)
-        do = tl.load(DO + b * sdb + h * sdh + rq[:, None] * sdt + rd[None, :], mask=qm,
-                     other=0.0)
-        lse = tl.load(LSE + pid * TQ + rq, mask=rq < TQ, other=0.0)
-        s, valid = _scores(q, k, rq, rk, KEEP, b, smb, TQ, TK, scale, CAUSAL, HAS_MASK, PREC)
-        p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)
-        dv = tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
-        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-        di = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
-        ds = p * (dp - di[:, None])
-        dq = tl.dot(ds.to(k.dtype), k, input_precision=PREC) * scale
-        dk = tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PREC) * scale
-        tl.store(DQ + b * sgqb + h * sgqh + rq[:, None] * sgqt + rd[None, :],
-                 dq.to(DQ.dtype.element_ty), mask=qm)
-        # DK and DV share a layout (B, Tk, H, D)
-        tl.store(DK + b * sgkb + h * sgkh + rk[:, None] * sgkt + rd[None, :],
-                 dk.to(DK.dtype.element_ty), mask=km)
-        tl.store(DV + b * sgkb + h * sgkh + rk[:, None] * sgkt + rd[None, :],
-                 dv.to(DV.dtype.element_ty), mask=km)

@@ -1,0 +1,88 @@
+"""The Triton kernels of `aiayn.kernels` (imported on first use: importing Triton takes
+~0.2 s, which CPU runs should not pay). See that module for the math."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _scores(q, k, rq, rk, keep_ptr, b, smb, tq, tk, scale,
+            CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr):
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
+    valid = (rk[None, :] < tk) & (rq[:, None] < tq)
+    if HAS_MASK:
+        keep = tl.load(keep_ptr + b * smb + rk, mask=rk < tk, other=0)
+        valid = valid & (keep[None, :] != 0)
+    if CAUSAL:
+        valid = valid & (rk[None, :] <= rq[:, None])
+    return tl.where(valid, s, float("-inf")), valid
+
+
+@triton.jit
+def attn_fwd(Q, K, V, Out, LSE, KEEP,
+        sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot, smb,
+        H, TQ, TK, scale,
+        CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr,
+        BQ: tl.constexpr, BK: tl.constexpr, D: tl.constexpr):
+    pid = tl.program_id(0)
+    b = pid // H
+    h = pid % H
+    rq = tl.arange(0, BQ)
+    rk = tl.arange(0, BK)
+    rd = tl.arange(0, D)
+    q = tl.load(Q + b * sqb + h * sqh + rq[:, None] * sqt + rd[None, :],
+                mask=rq[:, None] < TQ, other=0.0)
+    k = tl.load(K + b * skb + h * skh + rk[:, None] * skt + rd[None, :],
+                mask=rk[:, None] < TK, other=0.0)
+    v = tl.load(V + b * svb + h * svh + rk[:, None] * svt + rd[None, :],
+                mask=rk[:, None] < TK, other=0.0)
+    s, valid = _scores(q, k, rq, rk, KEEP, b, smb, TQ, TK, scale, CAUSAL, HAS_MASK, PREC)
+    m = tl.max(s, axis=1)
+    m = tl.where(m == float("-inf"), 0.0, m)  # a row with no legal key: output 0
+    p = tl.where(valid, tl.exp(s - m[:, None]), 0.0)
+    denom = tl.sum(p, axis=1)
+    denom = tl.where(denom == 0.0, 1.0, denom)
+    p = p / denom[:, None]
+    o = tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    tl.store(Out + b * sob + h * soh + rq[:, None] * sot + rd[None, :],
+             o.to(Out.dtype.element_ty), mask=rq[:, None] < TQ)
+    tl.store(LSE + pid * TQ + rq, m + tl.log(denom), mask=rq < TQ)
+
+
+@triton.jit
+def attn_bwd(Q, K, V, Out, DO, LSE, KEEP, DQ, DK, DV,
+        sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot, sdb, sdh, sdt, smb,
+        sgqb, sgqh, sgqt, sgkb, sgkh, sgkt,
+        H, TQ, TK, scale,
+        CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr,
+        BQ: tl.constexpr, BK: tl.constexpr, D: tl.constexpr):
+    pid = tl.program_id(0)
+    b = pid // H
+    h = pid % H
+    rq = tl.arange(0, BQ)
+    rk = tl.arange(0, BK)
+    rd = tl.arange(0, D)
+    qm = rq[:, None] < TQ
+    km = rk[:, None] < TK
+    q = tl.load(Q + b * sqb + h * sqh + rq[:, None] * sqt + rd[None, :], mask=qm, other=0.0)
+    k = tl.load(K + b * skb + h * skh + rk[:, None] * skt + rd[None, :], mask=km, other=0.0)
+    v = tl.load(V + b * svb + h * svh + rk[:, None] * svt + rd[None, :], mask=km, other=0.0)
+    o = tl.load(Out + b * sob + h * soh + rq[:, None] * sot + rd[None, :], mask=qm, other=0.0)
+    do = tl.load(DO + b * sdb + h * sdh + rq[:, None] * sdt + rd[None, :], mask=qm,
+                 other=0.0)
+    lse = tl.load(LSE + pid * TQ + rq, mask=rq < TQ, other=0.0)
+    s, valid = _scores(q, k, rq, rk, KEEP, b, smb, TQ, TK, scale, CAUSAL, HAS_MASK, PREC)
+    p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)
+    dv = tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
+    dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+    di = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
+    ds = p * (dp - di[:, None])
+    dq = tl.dot(ds.to(k.dtype), k, input_precision=PREC) * scale
+    dk = tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PREC) * scale
+    tl.store(DQ + b * sgqb + h * sgqh + rq[:, None] * sgqt + rd[None, :],
+             dq.to(DQ.dtype.element_ty), mask=qm)
+    # DK and DV share a layout (B, Tk, H, D)
+    tl.store(DK + b * sgkb + h * sgkh + rk[:, None] * sgkt + rd[None, :],
+             dk.to(DK.dtype.element_ty), mask=km)
+    tl.store(DV + b * sgkb + h * sgkh + rk[:, None] * sgkt + rd[None, :],
+             dv.to(DV.dtype.element_ty), mask=km)
