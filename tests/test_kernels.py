@@ -43,6 +43,8 @@ for b, h, tq, tk, d, causal, masked in json.loads(sys.argv[1]):
     if masked:
         lengths = torch.randint(1, tk + 1, (b,), generator=g)
         mask = (torch.arange(tk) < lengths[:, None])[:, None, None, :]
+        if masked == 2:  # one mask broadcast over the batch
+            mask = mask[:1]
     o = kernels.attention(q, k, v, mask, causal)
     grad = torch.randn(o.shape, generator=g)
     o.backward(grad)
@@ -54,9 +56,9 @@ for b, h, tq, tk, d, causal, masked in json.loads(sys.argv[1]):
 print(json.dumps(out))
 """
 
-CASES = [  # batch, heads, Tq, Tk, d_k, causal, padding mask
-    (3, 2, 5, 7, 16, False, True), (2, 2, 9, 9, 32, True, False),
-    (4, 2, 17, 17, 64, False, True), (2, 1, 1, 6, 16, False, True),
+CASES = [  # batch, heads, Tq, Tk, d_k, causal, padding mask (2: one for the whole batch)
+    (3, 2, 5, 7, 16, False, 1), (2, 2, 9, 9, 32, True, 0),
+    (4, 2, 17, 17, 64, False, 1), (2, 1, 1, 6, 16, False, 1), (3, 2, 4, 11, 16, False, 2),
 ]
 
 
