@@ -8,6 +8,7 @@ import triton.language as tl
 @triton.jit
 def _scores(q, k, rq, rk, keep_ptr, b, smb, tq, tk, scale,
             CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr):
+    """Scaled scores with illegal connections at -inf, and the mask of legal ones."""
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
     valid = (rk[None, :] < tk) & (rq[:, None] < tq)
     if HAS_MASK:
@@ -20,10 +21,12 @@ def _scores(q, k, rq, rk, keep_ptr, b, smb, tq, tk, scale,
 
 @triton.jit
 def attn_fwd(Q, K, V, Out, LSE, KEEP,
-        sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot, smb,
-        H, TQ, TK, scale,
-        CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr,
-        BQ: tl.constexpr, BK: tl.constexpr, D: tl.constexpr):
+             sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot, smb,
+             H, TQ, TK, scale,
+             CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr,
+             BQ: tl.constexpr, BK: tl.constexpr, D: tl.constexpr):
+    """One program per (sentence, head): O = softmax(Q K^T * scale) V, and the rows'
+    log-sum-exp for the backward."""
     pid = tl.program_id(0)
     b = pid // H
     h = pid % H
@@ -51,11 +54,12 @@ def attn_fwd(Q, K, V, Out, LSE, KEEP,
 
 @triton.jit
 def attn_bwd(Q, K, V, Out, DO, LSE, KEEP, DQ, DK, DV,
-        sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot, sdb, sdh, sdt, smb,
-        sgqb, sgqh, sgqt, sgkb, sgkh, sgkt,
-        H, TQ, TK, scale,
-        CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr,
-        BQ: tl.constexpr, BK: tl.constexpr, D: tl.constexpr):
+             sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot, sdb, sdh, sdt, smb,
+             sgqb, sgqh, sgqt, sgkb, sgkh, sgkt,
+             H, TQ, TK, scale,
+             CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr,
+             BQ: tl.constexpr, BK: tl.constexpr, D: tl.constexpr):
+    """dQ, dK, dV of one (sentence, head), recomputing P from the saved log-sum-exp."""
     pid = tl.program_id(0)
     b = pid // H
     h = pid % H
