@@ -55,13 +55,7 @@ def test_compare_table_ratios_use_each_peers_best_round():
     """benchmarks/compare.py's ratios are conservative: with --rounds, aiayn's rows are
     divided by the best measurement of each peer in the run (HF and each CTranslate2
     compute type alike), whatever the order of the rounds."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).parents[1] / "benchmarks" / "compare.py"
-    spec = importlib.util.spec_from_file_location("compare", path)
-    compare = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(compare)
+    compare = _load_benchmark("compare")
 
     def rec(system, dtype, attn, value):
         return {"kind": "decode", "preset": "tiny", "dtype": dtype, "system": system,
@@ -75,3 +69,40 @@ def test_compare_table_ratios_use_each_peers_best_round():
     assert len(rows) == 2
     for row in rows:  # 120 / 80 and 120 / 150, not the last round's 100
         assert "x1.50 HF" in row and "x0.80 CT2 int8" in row
+
+
+def _load_benchmark(name: str):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_compare_plan_on_a_gpu_has_no_ctranslate2_and_carries_the_batch():
+    """compare.py --device cuda: every row runs on the GPU, training rows at the asked
+    batch, and CTranslate2 (compared on the CPU only) is left out."""
+    import argparse
+
+    compare = _load_benchmark("compare")
+    args = argparse.Namespace(presets="base", what="train,decode", dtypes="bf16",
+                              hf_attn="eager,sdpa", ct2="int8", steps=3, beam=4, out_len=20,
+                              workers=1, device="cuda", batch_sentences=1700)
+    specs = compare.plan(args)
+    assert {s["system"] for s in specs} == {"aiayn", "hf-marian"}
+    assert all(s["device"] == "cuda" for s in specs)
+    assert all(s["batch"] == 1700 for s in specs if s["kind"] == "train")
+    args.device = "cpu"
+    assert any(s["system"] == "ctranslate2" for s in compare.plan(args))
+
+
+def test_profile_train_prints_the_operator_table(capsys, monkeypatch):
+    profile_train = _load_benchmark("profile_train")
+    monkeypatch.setattr("sys.argv", ["profile_train.py", "--preset", "tiny", "--dtype", "fp32",
+                                     "--batch-sentences", "4", "--steps", "1", "--rows", "5"])
+    assert profile_train.main() == 0
+    out = capsys.readouterr().out
+    assert "aten::mm" in out and "step wall" in out
