@@ -3,7 +3,8 @@
 The kernel is meant for CUDA GPUs (tests/test_cuda.py runs it there); Triton's
 interpreter (TRITON_INTERPRET=1) executes the same kernel code with NumPy, so wherever
 Triton is installed the forward and backward are checked against float64 Eq. 1 without a
-GPU. Skipped where Triton is not installed (CPU-only PyTorch builds, such as CI's).
+GPU (skipped where Triton is not installed: CPU-only PyTorch builds, such as CI's). The
+probe that keeps a failing or wrong kernel out of training is tested everywhere.
 """
 
 from __future__ import annotations
@@ -14,10 +15,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from aiayn import kernels
-
-pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs Triton")
 
 SCRIPT = r"""
 import json, sys
@@ -53,6 +53,7 @@ for b, h, tq, tk, d, causal, masked in json.loads(sys.argv[1]):
     ref.backward(grad.double())
     rel = lambda a, r: float((a.detach().double() - r.detach()).norm() / r.detach().norm())
     out.append([rel(o, ref)] + [rel(x.grad, r.grad) for x, r in zip((q, k, v), ref_in)])
+assert kernels.works_on(torch.device("cpu"))  # the probe passes the interpreted kernel
 print(json.dumps(out))
 """
 
@@ -62,6 +63,7 @@ CASES = [  # batch, heads, Tq, Tk, d_k, causal, padding mask (2: one for the who
 ]
 
 
+@pytest.mark.skipif(not kernels.available(), reason="needs Triton")
 def test_interpreted_kernel_is_eq1_forward_and_backward():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(CASES)], env=env,
@@ -71,3 +73,26 @@ def test_interpreted_kernel_is_eq1_forward_and_backward():
     assert len(errors) == len(CASES)
     for case, errs in zip(CASES, errors, strict=True):
         assert max(errs) < 1e-5, (case, errs)  # float32 (IEEE products) against float64
+
+
+def test_the_probe_keeps_a_failing_or_wrong_kernel_out(monkeypatch: pytest.MonkeyPatch):
+    """`works_on` (checked once per device before training relies on the kernel) answers
+    False, with a warning, when the kernel raises (say, a Triton that does not fit the GPU)
+    or gives results other than Eq. 1's; True for a correct one."""
+    cpu = torch.device("cpu")
+
+    def wrong(q, k, v, mask, causal):
+        return kernels._eq1(q, k, v, mask, causal) * 1.1
+
+    def broken(*args):
+        raise ImportError("no Triton here")
+
+    for fake, message in ((wrong, "differ from Eq. 1"), (broken, "ImportError")):
+        kernels.works_on.cache_clear()
+        monkeypatch.setattr(kernels, "attention", fake)
+        with pytest.warns(UserWarning, match=message):
+            assert not kernels.works_on(cpu)
+    kernels.works_on.cache_clear()
+    monkeypatch.setattr(kernels, "attention", kernels._eq1)  # a correct "kernel"
+    assert kernels.works_on(cpu)
+    kernels.works_on.cache_clear()

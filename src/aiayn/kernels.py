@@ -80,7 +80,55 @@ def preferred(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool
     `applies`, in training (gradients wanted), in 16-bit precision (float32 and decoding
     measured as fast or faster with PyTorch's), on at least MIN_ELEMENTS query elements."""
     return (q.requires_grad and torch.is_grad_enabled() and q.dtype != torch.float32
-            and q.numel() >= MIN_ELEMENTS and applies(q, k, v, mask, causal, dropout_p))
+            and q.numel() >= MIN_ELEMENTS and applies(q, k, v, mask, causal, dropout_p)
+            and works_on(q.device))
+
+
+@functools.cache
+def works_on(device: torch.device) -> bool:
+    """Whether the kernel compiles and runs on `device` and gives Eq. 1 (forward and
+    backward, on a small masked and a small causal case), checked once per device before
+    training relies on it. A Triton that does not match the GPU or PyTorch fails here,
+    with a warning, and attention stays with PyTorch's kernels instead of the run
+    crashing at its first step."""
+    import warnings
+
+    try:
+        with torch.autocast(device.type, enabled=False), torch.enable_grad():
+            _probe(device)
+    except Exception as e:  # any failure means: do not use it
+        warnings.warn(f"aiayn's Triton attention kernel is not used on {device}: "
+                      f"{type(e).__name__}: {e}", stacklevel=2)
+        return False
+    return True
+
+
+def _probe(device: torch.device) -> None:
+    """Raises unless the kernel gives Eq. 1 on a small masked and a small causal case."""
+    gen = torch.Generator().manual_seed(0)
+    keep = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    for mask, causal in ((keep[:, None, None, :].to(device), False), (None, True)):
+        q, k, v = (torch.randn(2, 2, 5, 16, generator=gen).to(device).requires_grad_()
+                   for _ in range(3))
+        rq, rk, rv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        out, ref = attention(q, k, v, mask, causal), _eq1(rq, rk, rv, mask, causal)
+        (out.sum() + ref.sum()).backward()
+        pairs = [(out, ref), (q.grad, rq.grad), (k.grad, rk.grad), (v.grad, rv.grad)]
+        # loose enough for TF32 products in the reference (if the user turned them on),
+        # tight enough for a wrong mask, scale or gradient (errors of 0.1 and more)
+        if not all(a is not None and b is not None
+                   and torch.allclose(a, b, rtol=1e-2, atol=1e-2) for a, b in pairs):
+            raise RuntimeError("its results differ from Eq. 1")
+
+
+def _eq1(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
+    s = q @ k.transpose(-2, -1) * q.size(-1) ** -0.5
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    if causal:
+        tri = torch.ones(q.size(2), k.size(2), dtype=torch.bool, device=q.device).tril()
+        s = s.masked_fill(~tri, float("-inf"))
+    return s.softmax(-1) @ v
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
