@@ -38,7 +38,10 @@ _HEAD_DIMS = (16, 32, 64, 128)
 def available() -> bool:
     """Whether Triton is installed (PyTorch's CUDA builds for Linux ship it); it is only
     imported when a kernel first runs."""
-    return importlib.util.find_spec("triton") is not None
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):  # a broken or blocked install counts as none
+        return False
 
 
 def applies(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
