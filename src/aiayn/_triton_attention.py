@@ -20,6 +20,13 @@ def _scores(q, k, rq, rk, keep_ptr, b, smb, tq, tk, scale,
 
 
 @triton.jit
+def _ptrs(base, b, h, sb, sh, st, r, rd):
+    """Addresses of one (sentence, head)'s rows r x columns rd of a (B, H, T, D)-strided
+    tensor (any layout whose last dimension is contiguous)."""
+    return base + b * sb + h * sh + r[:, None] * st + rd[None, :]
+
+
+@triton.jit
 def attn_fwd(Q, K, V, Out, LSE, KEEP,
              sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot, smb,
              H, TQ, TK, scale,
@@ -33,12 +40,11 @@ def attn_fwd(Q, K, V, Out, LSE, KEEP,
     rq = tl.arange(0, BQ)
     rk = tl.arange(0, BK)
     rd = tl.arange(0, D)
-    q = tl.load(Q + b * sqb + h * sqh + rq[:, None] * sqt + rd[None, :],
-                mask=rq[:, None] < TQ, other=0.0)
-    k = tl.load(K + b * skb + h * skh + rk[:, None] * skt + rd[None, :],
-                mask=rk[:, None] < TK, other=0.0)
-    v = tl.load(V + b * svb + h * svh + rk[:, None] * svt + rd[None, :],
-                mask=rk[:, None] < TK, other=0.0)
+    qm = rq[:, None] < TQ
+    km = rk[:, None] < TK
+    q = tl.load(_ptrs(Q, b, h, sqb, sqh, sqt, rq, rd), mask=qm, other=0.0)
+    k = tl.load(_ptrs(K, b, h, skb, skh, skt, rk, rd), mask=km, other=0.0)
+    v = tl.load(_ptrs(V, b, h, svb, svh, svt, rk, rd), mask=km, other=0.0)
     s, valid = _scores(q, k, rq, rk, KEEP, b, smb, TQ, TK, scale, CAUSAL, HAS_MASK, PREC)
     m = tl.max(s, axis=1)
     m = tl.where(m == float("-inf"), 0.0, m)  # a row with no legal key: output 0
@@ -47,8 +53,8 @@ def attn_fwd(Q, K, V, Out, LSE, KEEP,
     denom = tl.where(denom == 0.0, 1.0, denom)
     p = p / denom[:, None]
     o = tl.dot(p.to(v.dtype), v, input_precision=PREC)
-    tl.store(Out + b * sob + h * soh + rq[:, None] * sot + rd[None, :],
-             o.to(Out.dtype.element_ty), mask=rq[:, None] < TQ)
+    tl.store(_ptrs(Out, b, h, sob, soh, sot, rq, rd),
+             o.to(Out.dtype.element_ty), mask=qm)
     tl.store(LSE + pid * TQ + rq, m + tl.log(denom), mask=rq < TQ)
 
 
@@ -68,11 +74,11 @@ def attn_bwd(Q, K, V, Out, DO, LSE, KEEP, DQ, DK, DV,
     rd = tl.arange(0, D)
     qm = rq[:, None] < TQ
     km = rk[:, None] < TK
-    q = tl.load(Q + b * sqb + h * sqh + rq[:, None] * sqt + rd[None, :], mask=qm, other=0.0)
-    k = tl.load(K + b * skb + h * skh + rk[:, None] * skt + rd[None, :], mask=km, other=0.0)
-    v = tl.load(V + b * svb + h * svh + rk[:, None] * svt + rd[None, :], mask=km, other=0.0)
-    o = tl.load(Out + b * sob + h * soh + rq[:, None] * sot + rd[None, :], mask=qm, other=0.0)
-    do = tl.load(DO + b * sdb + h * sdh + rq[:, None] * sdt + rd[None, :], mask=qm,
+    q = tl.load(_ptrs(Q, b, h, sqb, sqh, sqt, rq, rd), mask=qm, other=0.0)
+    k = tl.load(_ptrs(K, b, h, skb, skh, skt, rk, rd), mask=km, other=0.0)
+    v = tl.load(_ptrs(V, b, h, svb, svh, svt, rk, rd), mask=km, other=0.0)
+    o = tl.load(_ptrs(Out, b, h, sob, soh, sot, rq, rd), mask=qm, other=0.0)
+    do = tl.load(_ptrs(DO, b, h, sdb, sdh, sdt, rq, rd), mask=qm,
                  other=0.0)
     lse = tl.load(LSE + pid * TQ + rq, mask=rq < TQ, other=0.0)
     s, valid = _scores(q, k, rq, rk, KEEP, b, smb, TQ, TK, scale, CAUSAL, HAS_MASK, PREC)
@@ -83,10 +89,10 @@ def attn_bwd(Q, K, V, Out, DO, LSE, KEEP, DQ, DK, DV,
     ds = p * (dp - di[:, None])
     dq = tl.dot(ds.to(k.dtype), k, input_precision=PREC) * scale
     dk = tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PREC) * scale
-    tl.store(DQ + b * sgqb + h * sgqh + rq[:, None] * sgqt + rd[None, :],
+    tl.store(_ptrs(DQ, b, h, sgqb, sgqh, sgqt, rq, rd),
              dq.to(DQ.dtype.element_ty), mask=qm)
     # DK and DV share a layout (B, Tk, H, D)
-    tl.store(DK + b * sgkb + h * sgkh + rk[:, None] * sgkt + rd[None, :],
+    tl.store(_ptrs(DK, b, h, sgkb, sgkh, sgkt, rk, rd),
              dk.to(DK.dtype.element_ty), mask=km)
-    tl.store(DV + b * sgkb + h * sgkh + rk[:, None] * sgkt + rd[None, :],
+    tl.store(_ptrs(DV, b, h, sgkb, sgkh, sgkt, rk, rd),
              dv.to(DV.dtype.element_ty), mask=km)
