@@ -79,10 +79,15 @@ def test_the_probe_keeps_a_failing_or_wrong_kernel_out(monkeypatch: pytest.Monke
     """`works_on` (checked once per device before training relies on the kernel) answers
     False, with a warning, when the kernel raises (say, a Triton that does not fit the GPU)
     or gives results other than Eq. 1's; True for a correct one."""
+    from aiayn.model import scaled_dot_product_attention
+
     cpu = torch.device("cpu")
 
+    def formula(q, k, v, mask, causal):  # a correct "kernel": Eq. 1 written out
+        return scaled_dot_product_attention(q, k, v, mask, causal=causal, fused=False)
+
     def wrong(q, k, v, mask, causal):
-        return kernels._eq1(q, k, v, mask, causal) * 1.1
+        return formula(q, k, v, mask, causal) * 1.1
 
     def broken(*args):
         raise ImportError("no Triton here")
@@ -93,6 +98,6 @@ def test_the_probe_keeps_a_failing_or_wrong_kernel_out(monkeypatch: pytest.Monke
         with pytest.warns(UserWarning, match=message):
             assert not kernels.works_on(cpu)
     kernels.works_on.cache_clear()
-    monkeypatch.setattr(kernels, "attention", kernels._eq1)  # a correct "kernel"
+    monkeypatch.setattr(kernels, "attention", formula)
     assert kernels.works_on(cpu)
     kernels.works_on.cache_clear()
