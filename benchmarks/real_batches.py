@@ -1,0 +1,79 @@
+"""Training steps on a recipe's real, length-bucketed batches, epoch by epoch.
+
+    aiayn prepare ... --out DATA        # or a recipe's RUN/data/prepared
+    python benchmarks/real_batches.py DATA --config configs/multi30k-en-de.toml --epochs 2
+    ONEDNN_PRIMITIVE_CACHE_CAPACITY=1024 python benchmarks/real_batches.py DATA ...
+
+`aiayn bench train` times one batch shape over and over; a real epoch has many (the En->De
+recipe: 178 batch shapes, ~4,400 distinct matrix products), and on the CPU each new bf16
+product shape is a oneDNN kernel compiled once and cached. This times what a training run
+sees: the recipe's model, optimizer and batches (forward, loss, backward, Adam; no
+validation or checkpoints), and prints the mean step time and peak memory per epoch. The
+second line above shows oneDNN's default kernel cache (aiayn sets a larger one on import).
+Run it with the allocator settings the `aiayn` command sets for itself (MALLOC_* in
+`aiayn.cli`), or page faults blur the comparison on VMs like ours.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import sys
+import time
+from dataclasses import replace
+
+import torch
+
+import aiayn  # noqa: F401  # sets oneDNN's kernel cache before the first product
+from aiayn.batching import collate, token_batches
+from aiayn.config import get_preset, load_experiment
+from aiayn.data import load_corpus
+from aiayn.loss import generator_loss
+from aiayn.model import Transformer
+from aiayn.tokenizer import Tokenizer
+from aiayn.train import make_optimizer
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("data", help="a prepared data directory (aiayn prepare)")
+    p.add_argument("--config", help="experiment file (default: the tiny preset)")
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--max-batches", type=int, default=0, help="per epoch; 0 = all")
+    args = p.parse_args()
+
+    cfg = load_experiment(args.config)[0] if args.config else get_preset("tiny")
+    vocab = Tokenizer.load(f"{args.data}/spm.model").vocab_size
+    cfg = replace(cfg, model=replace(cfg.model, vocab_size=vocab))
+    corpus = load_corpus(args.data, "train")
+    torch.manual_seed(cfg.train.seed)
+    model = Transformer(cfg.model).train()
+    opt = make_optimizer(model, cfg.train)
+    bf16 = cfg.train.dtype == "bf16"
+    print(f"{cfg.train.dtype}, max_tokens {cfg.train.max_tokens}, oneDNN kernel cache "
+          f"{os.environ.get('ONEDNN_PRIMITIVE_CACHE_CAPACITY', 'default')}")
+    for epoch in range(args.epochs):
+        order = token_batches(corpus.src_lens, corpus.tgt_lens, cfg.train.max_tokens,
+                              seed=cfg.train.seed, epoch=epoch)
+        batches = [collate(corpus, b) for b in order[:args.max_batches or None]]
+        t0 = time.perf_counter()
+        tokens = 0
+        for b in batches:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                features = model(b.src, b.tgt_in, features_only=True)
+                loss, _ = generator_loss(features, model.generator.weight, b.tgt_out,
+                                         cfg.train.eps_ls)
+            (loss / b.tgt_tokens).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            tokens += b.src_tokens + b.tgt_tokens
+        dt = time.perf_counter() - t0
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        print(f"epoch {epoch}: {len(batches)} steps, {dt / len(batches) * 1e3:.1f} ms a step, "
+              f"{tokens / dt:,.0f} tokens/s, peak RSS {rss:.2f} GiB", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
