@@ -377,3 +377,42 @@ def load_corpus(data_dir: str | Path, split: str) -> Corpus:
     _verified(data_dir, spm_entry["path"], spm_entry["sha256"])
     path = _verified(data_dir, entry["path"], entry["sha256"])
     return Corpus(torch.load(path, weights_only=True), name=str(path))
+
+
+class BPEDropout:
+    """Training pairs under BPE-dropout (Provilkov et al., 2020): every epoch a fresh
+    segmentation of each sentence, drawn from (seed, epoch) alone, so runs and resumed runs
+    see the same epochs.
+
+    A departure from the paper (which segments once), for small corpora such as Multi30k.
+    The text is recovered by decoding the prepared ids; a pair whose text does not encode
+    back to its prepared ids (e.g. it holds <unk>), or whose dropped-out side would exceed
+    `max_len`, keeps its prepared segmentation that epoch.
+    """
+
+    def __init__(self, corpus: Corpus, tok: Tokenizer, p: float, max_len: int) -> None:
+        self.corpus, self.tok, self.p, self.max_len = corpus, tok, p, max_len
+        n = len(corpus)
+        self._prepared = [corpus.src(i) for i in range(n)] + [corpus.tgt(i) for i in range(n)]
+        self._text = [tok.decode(ids) for ids in self._prepared]
+        exact = [ids == again for ids, again in zip(self._prepared, _encode(tok, self._text),
+                                                     strict=True)]
+        self._fixed = {i % n for i, ok in enumerate(exact) if not ok}
+        if self._fixed:
+            logger.warning("BPE-dropout: %d of %d training pairs do not round-trip through "
+                           "their text and keep their prepared segmentation", len(self._fixed), n)
+
+    def epoch(self, seed: int) -> Corpus:
+        """The training pairs of one epoch; `seed` should depend on the run's seed and the
+        epoch number."""
+        n = len(self.corpus)
+        sampled = [ids for i in range(0, 2 * n, _ENCODE_CHUNK) for ids in
+                   self.tok.encode_batch_dropout(self._text[i:i + _ENCODE_CHUNK], self.p,
+                                                 seed * 7919 + i)]
+        seqs = [self._prepared[i] if i % n in self._fixed or len(s) > self.max_len else s
+                for i, s in enumerate(sampled)]
+        src_ids, src_off = _pack(seqs[:n])
+        tgt_ids, tgt_off = _pack(seqs[n:])
+        return Corpus({"src_ids": src_ids, "src_offsets": src_off, "tgt_ids": tgt_ids,
+                       "tgt_offsets": tgt_off, "line_numbers": self.corpus.line_numbers},
+                      name=f"BPE-dropout p={self.p}")
