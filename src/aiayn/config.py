@@ -93,6 +93,7 @@ class TrainConfig:
     # BPE-dropout (Provilkov et al., 2020; not in the paper): each epoch re-segments the
     # training text, skipping each BPE merge with this probability; 0 = the paper's fixed
     # segmentation. A regulariser for small corpora; validation and decoding never use it.
+    # Not in the recipes: in an hour of the 2-core CPU it fell behind (docs/results.md).
     bpe_dropout: float = 0.0
     dtype: DType = "fp32"
     # torch.compile the model's forward (dynamic shapes): fused element-wise kernels and
