@@ -90,11 +90,6 @@ class TrainConfig:
     max_len: int = 256  # training pairs with a longer side (in subwords) are filtered
     max_len_ratio: float = 9.0  # pairs whose length ratio exceeds this are filtered
     seed: int = 1
-    # BPE-dropout (Provilkov et al., 2020; not in the paper): each epoch re-segments the
-    # training text, skipping each BPE merge with this probability; 0 = the paper's fixed
-    # segmentation. A regulariser for small corpora; validation and decoding never use it.
-    # Not in the recipes: in an hour of the 2-core CPU it fell behind (docs/results.md).
-    bpe_dropout: float = 0.0
     dtype: DType = "fp32"
     # torch.compile the model's forward (dynamic shapes): fused element-wise kernels and
     # fewer launches, for GPUs. On one H100 the recipe model's steps ran 1.24x faster, after
@@ -130,8 +125,6 @@ class TrainConfig:
         for name in ("max_minutes", "clip_norm", "save_interval_steps", "save_interval_minutes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
-        if not 0.0 <= self.bpe_dropout < 1.0:
-            raise ConfigError(f"train.bpe_dropout must be in [0, 1), got {self.bpe_dropout}")
         if self.max_len_ratio < 1.0:
             raise ConfigError(f"train.max_len_ratio must be >= 1, got {self.max_len_ratio}")
         if self.dtype not in ("fp32", "bf16"):

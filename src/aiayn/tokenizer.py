@@ -160,22 +160,6 @@ class Tokenizer:
         """:meth:`encode` for many lines at once (sentencepiece's C++ loop, much faster)."""
         return [list(ids) for ids in self._sp.encode(texts)]
 
-    def encode_batch_dropout(self, texts: list[str], p: float, seed: int) -> list[list[int]]:
-        """:meth:`encode_batch` with BPE-dropout (Provilkov et al., 2020): each merge is
-        skipped with probability `p`, so a word gets one of its finer segmentations.
-
-        A regulariser for small corpora, used only on training text: the same word seen
-        under several segmentations teaches the model its pieces' compositions. The draw
-        depends only on (`texts`, `p`, `seed`): sentencepiece's generator is reseeded and
-        the loop runs on one thread.
-        """
-        if not 0.0 < p < 1.0:
-            raise ValueError(f"BPE-dropout p must be in (0, 1), got {p}")
-        spm.set_random_generator_seed(seed % 2**32)
-        # for a BPE model sentencepiece's `alpha` is the merge-dropout probability
-        return [list(ids) for ids in self._sp.encode(texts, enable_sampling=True, alpha=p,
-                                                     nbest_size=-1, num_threads=1)]
-
     def encode_pieces(self, text: str) -> list[str]:
         """The subword strings of `text` ("▁" marks a preceding space)."""
         return list(self._sp.encode(text, out_type=str))
