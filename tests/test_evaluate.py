@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 import math
+import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -137,6 +140,33 @@ def test_line_count_mismatch_names_both_files(tmp_path: Path) -> None:
 
 
 @pytest.mark.rows("H4")
+def test_references_from_a_pipe(tmp_path: Path) -> None:
+    """`--ref <(zcat ref.gz)`: a pipe (here a FIFO fed gzip bytes) scores as the file does;
+    a directory or a missing path is an error naming it."""
+    refs = list(read_lines(MULTI30K / "val.de.gz"))[:100]
+    ref_file = _write(tmp_path / "ref.de", refs)
+    hyp_file = _write(tmp_path / "hyp.de", [_drop_words(r, i) for i, r in enumerate(refs)])
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    payload = gzip.compress(ref_file.read_bytes())
+
+    def feed() -> None:
+        with open(fifo, "wb") as f:
+            f.write(payload)
+
+    writer = threading.Thread(target=feed, daemon=True)
+    writer.start()
+    try:
+        piped = score_files(hyp_file, fifo, "de")
+    finally:
+        writer.join(timeout=10)
+    assert piped == score_files(hyp_file, ref_file, "de")
+    with pytest.raises(InputError, match="is a directory"):
+        score_files(hyp_file, tmp_path, "de")
+    with pytest.raises(InputError, match="nope.de: no such file"):
+        score_files(hyp_file, tmp_path / "nope.de", "de")
+
+
 def test_empty_hypotheses_kept(tmp_path: Path) -> None:
     """H4: empty hypotheses are kept and scored: all empty gives 0, alignment is intact."""
     s = score(["", "", ""], REFS, "de")

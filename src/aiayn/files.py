@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import hashlib
+import io
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,8 +26,18 @@ class InputError(ValueError):
 def open_bytes(path: str | Path) -> IO[bytes]:
     """Open a plain or gzip file for binary reading (gzip by magic number, not suffix)."""
     path = Path(path)
-    if not path.is_file():
+    if path.is_dir():
+        raise InputError(f"{path}: is a directory, not a file")
+    if not path.exists():
         raise InputError(f"{path}: no such file")
+    if not path.is_file():
+        # A pipe (bash's `--ref <(zcat ref.gz)`, a FIFO) cannot seek back over the magic
+        # number: read it whole; it can be read only once anyway.
+        with open(path, "rb") as pipe:
+            data = pipe.read()
+        if data[:2] == b"\x1f\x8b":
+            return cast(IO[bytes], gzip.GzipFile(fileobj=io.BytesIO(data), mode="rb"))
+        return io.BytesIO(data)
     f = open(path, "rb")  # noqa: SIM115 - returned to the caller
     magic = f.read(2)
     f.seek(0)
