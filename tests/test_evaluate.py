@@ -139,7 +139,6 @@ def test_line_count_mismatch_names_both_files(tmp_path: Path) -> None:
         score(REFS[:1], REFS, "de")
 
 
-@pytest.mark.rows("H4")
 def test_references_from_a_pipe(tmp_path: Path) -> None:
     """`--ref <(zcat ref.gz)`: a pipe (here a FIFO fed gzip bytes) scores as the file does;
     a directory or a missing path is an error naming it."""
@@ -167,6 +166,7 @@ def test_references_from_a_pipe(tmp_path: Path) -> None:
         score_files(hyp_file, tmp_path / "nope.de", "de")
 
 
+@pytest.mark.rows("H4")
 def test_empty_hypotheses_kept(tmp_path: Path) -> None:
     """H4: empty hypotheses are kept and scored: all empty gives 0, alignment is intact."""
     s = score(["", "", ""], REFS, "de")
