@@ -17,6 +17,7 @@ from aiayn.search import (
     greedy_search,
     length_penalty,
     max_output_len,
+    row_topk,
 )
 
 A, B = 4, 5  # the two words of the hand-set table's vocabulary (ids 0-3 are PAD UNK BOS EOS)
@@ -422,3 +423,24 @@ def test_beam_wider_than_the_vocabulary_finds_the_exhaustive_best() -> None:
     (hyps,) = beam_search(model, SRC, beam=8, alpha=0.0, max_len_a=0.0, max_len_b=10, nbest=3)
     assert [h.tokens for h in hyps] == [list(seq[:-1]) for seq in best]
     assert [h.log_prob for h in hyps] == pytest.approx([log_p(s) for s in best], abs=1e-5)
+
+
+@pytest.mark.parametrize("v", [7, 200, 8000, 10_000, 1_000 + 37])
+@pytest.mark.parametrize("k", [1, 4, 8])
+@pytest.mark.parametrize("ties", [False, True])
+def test_row_topk_equals_torch_topk(v: int, k: int, ties: bool) -> None:
+    """The two-pass top-k returns torch.topk's values, best first, at columns that hold
+    them (distinct columns; with many exact ties, which ones is unspecified), including a
+    remainder of columns past the last whole block and rows of -inf (never-generated
+    tokens)."""
+    g = torch.Generator().manual_seed(v * 10 + k)
+    x = (torch.randint(0, 6, (33, v), generator=g).float() if ties
+         else torch.randn(33, v, generator=g))
+    x[:, :2] = float("-inf")
+    x[0, : v - 1] = float("-inf")  # one finite value left: the rest of the top k is -inf
+    k = min(k, v)
+    values, cols = row_topk(x, k)
+    expected = x.topk(k, dim=1).values
+    assert torch.equal(values, expected)
+    assert torch.equal(x.gather(1, cols), values)
+    assert all(len(set(row)) == k for row in cols.tolist())

@@ -146,12 +146,47 @@ def best_next_tokens(model: IncrementalDecoder, last: Tensor, src_mask: Tensor,
     logits = model.decode_step(last, src_mask, states).float()
     lse = torch.logsumexp(logits, dim=-1, keepdim=True)
     logits[:, list(NEVER_GENERATED)] = float("-inf")
-    top, token = logits.topk(min(k, logits.size(-1)), dim=-1)
+    top, token = row_topk(logits, min(k, logits.size(-1)))
     if top.size(1) < k:
         missing = (top.size(0), k - top.size(1))
         top = torch.cat([top, top.new_full(missing, float("-inf"))], dim=1)
         token = torch.cat([token, token.new_full(missing, EOS_ID)], dim=1)
     return top - lse, token
+
+
+#: Columns per block in `row_topk`; 64 measured fastest for V 8,000-10,000 and k 4-8.
+TOPK_BLOCK = 64
+
+
+def row_topk(x: Tensor, k: int, block: int = TOPK_BLOCK) -> tuple[Tensor, Tensor]:
+    """The k largest values of each row of a 2-D table and their columns, largest first:
+    the same values as ``x.topk(k, dim=1)``, found in two passes on the CPU.
+
+    torch.topk on the CPU costs ~3.4 ms for (256, 10,000) float32 logits (one thread), ~15%
+    of a tiny model's beam-4 decoding step for 64 sentences. Here each row is cut into blocks of
+    `block` columns; a row's k largest values lie in the k blocks with the largest maxima
+    (a block left out has a maximum no larger than each of k chosen blocks' maxima, so
+    it can only hold ties of the k-th value), so one pass takes the block maxima and
+    torch.topk then runs on k blocks (plus the remainder columns) instead of the row:
+    ~1.3 ms for the table above. Among exactly equal values, which columns are returned
+    is unspecified, as with torch.topk (whose choice among ties is not the lowest column
+    either); each row is searched on its own, so results do not depend on the batch.
+    """
+    r, v = x.shape
+    nb = v // block
+    if x.device.type != "cpu" or nb <= 2 * k:
+        return x.topk(k, dim=1)
+    main = x[:, :nb * block].view(r, nb, block)
+    blocks = main.amax(dim=2).topk(k, dim=1).indices  # (r, k)
+    cand = main.gather(1, blocks.unsqueeze(2).expand(r, k, block)).view(r, k * block)
+    cols = (blocks.unsqueeze(2) * block
+            + torch.arange(block, device=x.device)).view(r, k * block)
+    if nb * block < v:  # the remainder columns are always candidates
+        cand = torch.cat([cand, x[:, nb * block:]], dim=1)
+        cols = torch.cat([cols, torch.arange(nb * block, v, device=x.device).expand(r, -1)],
+                         dim=1)
+    values, j = cand.topk(k, dim=1)
+    return values, cols.gather(1, j)
 
 
 def reorder_states(states: Any, index: Tensor, sentences: Tensor | None = None) -> None:
