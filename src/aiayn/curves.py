@@ -18,12 +18,14 @@ def read_log(run_dir: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
 
 
-def plot_curves(runs: dict[str, str | Path], out: str | Path, title: str = "") -> Path:
+def plot_curves(runs: dict[str, str | Path], out: str | Path, title: str = "",
+                ppl_range: tuple[float, float] | None = None) -> Path:
     """One PNG, two panels: training loss and validation perplexity, minutes on the x axis.
 
     Args:
         runs: label -> run directory; several runs share the axes (e.g. fp32 vs bf16).
         out: the PNG to write.
+        ppl_range: perplexity axis limits, to compare the ends of runs (default: all).
     """
     import matplotlib
 
@@ -42,6 +44,8 @@ def plot_curves(runs: dict[str, str | Path], out: str | Path, title: str = "") -
                 title="training loss")
     ax_ppl.set(xlabel="training time (minutes)", ylabel="perplexity", yscale="log",
                title="validation perplexity")
+    if ppl_range is not None:
+        ax_ppl.set_ylim(*ppl_range)
     for ax in (ax_loss, ax_ppl):
         ax.grid(alpha=0.3)
         ax.legend()
