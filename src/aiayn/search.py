@@ -162,11 +162,12 @@ def row_topk(x: Tensor, k: int, block: int = TOPK_BLOCK) -> tuple[Tensor, Tensor
     """The k largest values of each row of a 2-D table and their columns, largest first:
     the same values as ``x.topk(k, dim=1)``, found in two passes on the CPU.
 
-    torch.topk on the CPU costs ~3.4 ms for (256, 10,000) float32 logits (one thread), ~15%
-    of a tiny model's beam-4 decoding step for 64 sentences. Here each row is cut into blocks of
-    `block` columns; a row's k largest values lie in the k blocks with the largest maxima
-    (a block left out has a maximum no larger than each of k chosen blocks' maxima, so
-    it can only hold ties of the k-th value), so one pass takes the block maxima and
+    torch.topk on the CPU costs ~3.4 ms for (256, 10,000) float32 logits (one thread),
+    11-14% of a tiny model's beam-4 search of 64 sentences in a profile. Here each row is
+    cut into blocks of `block` columns; a row's k largest values lie in the k blocks with
+    the largest maxima (a block left out has a maximum no larger than each of k chosen
+    blocks' maxima, so it can only hold ties of the k-th value), so one pass takes the
+    block maxima and
     torch.topk then runs on k blocks (plus the remainder columns) instead of the row:
     ~1.3 ms for the table above. Among exactly equal values, which columns are returned
     is unspecified, as with torch.topk (whose choice among ties is not the lowest column
