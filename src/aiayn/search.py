@@ -167,11 +167,11 @@ def row_topk(x: Tensor, k: int, block: int = TOPK_BLOCK) -> tuple[Tensor, Tensor
     cut into blocks of `block` columns; a row's k largest values lie in the k blocks with
     the largest maxima (a block left out has a maximum no larger than each of k chosen
     blocks' maxima, so it can only hold ties of the k-th value), so one pass takes the
-    block maxima and
-    torch.topk then runs on k blocks (plus the remainder columns) instead of the row:
-    ~1.3 ms for the table above. Among exactly equal values, which columns are returned
-    is unspecified, as with torch.topk (whose choice among ties is not the lowest column
-    either); each row is searched on its own, so results do not depend on the batch.
+    block maxima and torch.topk then runs on k blocks (plus the remainder columns)
+    instead of the row: ~1.3 ms for the table above. Among exactly equal values, which
+    columns are returned is unspecified, as with torch.topk (whose choice among ties is
+    not the lowest column either); each row is searched on its own, so results do not
+    depend on the batch.
     """
     r, v = x.shape
     nb = v // block
