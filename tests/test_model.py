@@ -9,11 +9,13 @@ import pytest
 import torch
 from torch import nn
 
+from aiayn import model as model_mod
 from aiayn.config import PAD_ID, PRESETS, ModelConfig
 from aiayn.model import (
     Dropout,
     KVCache,
     MultiHeadAttention,
+    PositionwiseFeedForward,
     Transformer,
     attention_weights,
     count_parameters,
@@ -273,3 +275,74 @@ def test_kv_cache_reordering_equals_reordering_the_prefix():
     k = torch.randn(2, 2, 1, 3, dtype=torch.float64)
     assert torch.equal(cache.append(k, k)[0], torch.cat([ref_k, k], dim=2))
     assert cache.length == 4
+
+
+needs_fused_ffn = pytest.mark.skipif(not model_mod.fused_linear_relu_available(),
+                                     reason="no oneDNN bf16 product with a fused ReLU here")
+
+
+def _ffn_and_grads(ffn: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    x = x.detach().clone().requires_grad_(True)
+    torch.manual_seed(3)  # the same relu-dropout masks in both runs
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = ffn(x)
+    # a gradient that is not all ones, so that every element of the backward matters
+    (y.float() * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+    grads = [y.detach(), x.grad] + [p.grad.clone() for p in ffn.parameters()]
+    ffn.zero_grad(set_to_none=True)
+    return grads
+
+
+@needs_fused_ffn
+@pytest.mark.parametrize("relu_dropout", [0.0, 0.2])
+def test_fused_ffn_gives_the_unfused_bits(monkeypatch, relu_dropout):
+    """The bf16 FFN's one-product bias + ReLU (CPU) changes no bit of the output or of any
+    gradient against Linear -> ReLU under autocast, so fusing never changes a run."""
+    torch.manual_seed(0)
+    ffn = PositionwiseFeedForward(64, 192, relu_dropout).train()
+    x = torch.randn(5, 11, 64) * 3
+    calls = []
+    apply = model_mod._LinearReLU.apply
+    monkeypatch.setattr(model_mod._LinearReLU, "apply", lambda *a: calls.append(1) or apply(*a))
+    fused = _ffn_and_grads(ffn, x)
+    assert calls  # the fused product ran
+    monkeypatch.setattr(model_mod, "fused_linear_relu_available", lambda: False)
+    plain = _ffn_and_grads(ffn, x)
+    pre = ffn.w_1(x)
+    assert (pre < 0).any() and (pre > 0).any()  # the ReLU cuts something
+    for a, b in zip(fused, plain, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+@needs_fused_ffn
+def test_fused_ffn_training_steps_match_the_unfused_ones(monkeypatch):
+    """Three Adam steps of a small model in bf16 autocast: every gradient and parameter
+    bit-identical (gradients compared too: Adam's first steps hide a rescaled gradient)."""
+    from aiayn.train import make_optimizer
+
+    cfg = replace(PRESETS["tiny"].model, N=2, d_model=64, d_ff=128, h=4, d_k=16, d_v=16,
+                  vocab_size=50)
+    src = torch.randint(4, 50, (6, 9))
+    tgt = torch.randint(4, 50, (6, 8))
+    runs, calls = [], []
+    apply = model_mod._LinearReLU.apply
+    monkeypatch.setattr(model_mod._LinearReLU, "apply", lambda *a: calls.append(1) or apply(*a))
+    for fused in (True, False):
+        if not fused:
+            assert len(calls) == 3 * 2 * cfg.N  # every FFN of every step ran fused
+            monkeypatch.setattr(model_mod, "fused_linear_relu_available", lambda: False)
+        torch.manual_seed(0)
+        m = Transformer(cfg).train()
+        opt = make_optimizer(m, PRESETS["tiny"].train)
+        tensors = []
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = m(src, tgt)
+            torch.nn.functional.cross_entropy(logits.float().flatten(0, 1),
+                                              tgt.flatten()).backward()
+            tensors += [p.grad.clone() for p in m.parameters()]
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        runs.append(tensors + list(m.state_dict().values()))
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)

@@ -10,6 +10,7 @@ Everything is batch-first. Token id 0 is padding (config.PAD_ID).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -263,7 +264,13 @@ class KVCache:
 
 # --------------------------------------------------------------------------- 3.3
 class PositionwiseFeedForward(nn.Module):
-    """FFN(x) = max(0, x W1 + b1) W2 + b2 (Eq. 2)."""
+    """FFN(x) = max(0, x W1 + b1) W2 + b2 (Eq. 2).
+
+    Under bf16 autocast on the CPU, max(0, x W1 + b1) is one oneDNN product with the bias
+    and the ReLU applied to its accumulator (`_LinearReLU`): the same bits as the three
+    steps, without two passes over the (tokens, d_ff) activation, the largest of the
+    model (base preset training step: 1.04x faster; docs/performance.md).
+    """
 
     def __init__(self, d_model: int, d_ff: int, relu_dropout: float = 0.0) -> None:
         super().__init__()
@@ -272,7 +279,53 @@ class PositionwiseFeedForward(nn.Module):
         self.relu_dropout = Dropout(relu_dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w_2(self.relu_dropout(torch.relu(self.w_1(x))))
+        if (x.device.type == "cpu" and torch.is_autocast_enabled("cpu")
+                and torch.get_autocast_dtype("cpu") == torch.bfloat16
+                and type(self.w_1) is nn.Linear and fused_linear_relu_available()):
+            bf16 = torch.bfloat16
+            hidden = _LinearReLU.apply(x.to(bf16), self.w_1.weight.to(bf16),
+                                       self.w_1.bias.to(bf16))
+        else:
+            hidden = torch.relu(self.w_1(x))
+        return self.w_2(self.relu_dropout(hidden))
+
+
+class _LinearReLU(torch.autograd.Function):
+    """max(0, x W^T + b) for bf16 CPU tensors in one oneDNN product; the backward is the
+    one autograd would run for relu(linear(x, W, b)) (same operations, same bits)."""
+
+    @staticmethod
+    def forward(ctx: object, x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+        out = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "relu", [None], "")
+        ctx.save_for_backward(x, weight, out)  # type: ignore[attr-defined]
+        return out
+
+    @staticmethod
+    def backward(ctx: object, grad: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        x, weight, out = ctx.saved_tensors  # type: ignore[attr-defined]
+        grad = torch.ops.aten.threshold_backward(grad, out, 0)  # ReLU's backward
+        g = grad.reshape(-1, grad.size(-1))
+        grad_x = (g @ weight).view(x.shape)
+        return grad_x, g.t() @ x.reshape(-1, x.size(-1)), g.sum(0)
+
+
+@functools.cache
+def fused_linear_relu_available() -> bool:
+    """Whether oneDNN's fused bf16 product + bias + ReLU exists here and gives exactly
+    relu(linear(x, W, b)) on a probe (it does on AVX-512/AMX CPUs; elsewhere the FFN
+    keeps the unfused steps, so the choice never changes the numbers)."""
+    try:
+        if not (torch.backends.mkldnn.is_available()
+                and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+            return False
+        gen = torch.Generator().manual_seed(0)
+        x, w, b = (torch.randn(*shape, generator=gen).to(torch.bfloat16)
+                   for shape in ((37, 64), (96, 64), (96,)))
+        with torch.no_grad():
+            fused = torch.ops.mkldnn._linear_pointwise(x, w, b, "relu", [None], "")
+            return bool(torch.equal(fused, torch.relu(F.linear(x, w, b))))
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
 
 
 # --------------------------------------------------------------------------- 3.1
