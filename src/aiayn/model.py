@@ -269,7 +269,7 @@ class PositionwiseFeedForward(nn.Module):
     Under bf16 autocast on the CPU, max(0, x W1 + b1) is one oneDNN product with the bias
     and the ReLU applied to its accumulator (`_LinearReLU`): the same bits as the three
     steps, without two passes over the (tokens, d_ff) activation, the largest of the
-    model (base preset training step: 1.04x faster; docs/performance.md).
+    model (the product itself 1.6x faster; ~2% of a base training step: docs/performance.md).
     """
 
     def __init__(self, d_model: int, d_ff: int, relu_dropout: float = 0.0) -> None:
