@@ -309,15 +309,24 @@ class _LinearReLU(torch.autograd.Function):
         return grad_x, g.t() @ x.reshape(-1, x.size(-1)), g.sum(0)
 
 
+def onednn_bf16() -> bool:
+    """Whether this PyTorch build has oneDNN and this CPU runs its bf16 kernels (AVX-512
+    or AMX): the condition for the oneDNN ops used directly here and in `translate`."""
+    try:
+        return bool(torch.backends.mkldnn.is_available()
+                    and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
 @functools.cache
 def fused_linear_relu_available() -> bool:
     """Whether oneDNN's fused bf16 product + bias + ReLU exists here and gives exactly
     relu(linear(x, W, b)) on a probe product (on the AMX CPUs we measure on it equalled
     it on every shape tried; where the probe differs, the FFN keeps the unfused steps)."""
+    if not onednn_bf16():
+        return False
     try:
-        if not (torch.backends.mkldnn.is_available()
-                and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
-            return False
         gen = torch.Generator().manual_seed(0)
         x, w, b = (torch.randn(*shape, generator=gen).to(torch.bfloat16)
                    for shape in ((37, 64), (96, 64), (96,)))

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from aiayn.batching import decode_batches
 from aiayn.config import EOS_ID, PAD_ID, UNK_ID, DecodeConfig
 from aiayn.files import atomic_write, open_bytes
-from aiayn.model import Transformer
+from aiayn.model import Transformer, onednn_bf16
 from aiayn.search import Hypothesis, beam_search, position_limit
 from aiayn.workers import check_workers, map_batches
 
@@ -126,10 +126,9 @@ class PackedLinear(nn.Module):
 def can_pack_bf16() -> bool:
     """Whether this PyTorch build and CPU run oneDNN's packed bf16 linear (x86 CPUs with
     AVX-512 or AMX): the ops must exist and give nn.Linear's result on a small product."""
+    if not onednn_bf16():
+        return False
     try:
-        if not (torch.backends.mkldnn.is_available()
-                and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
-            return False
         gen = torch.Generator().manual_seed(0)
         w = torch.randn(24, 16, generator=gen).to(torch.bfloat16)
         x = torch.randn(5, 16, generator=gen).to(torch.bfloat16)
