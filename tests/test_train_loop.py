@@ -28,13 +28,18 @@ def test_logged_loss_is_the_interval_mean(small_data: Path, tmp_path: Path):
 
 
 @pytest.mark.slow  # compiling takes a minute or more on this CPU
-def test_compiled_training_matches_the_plain_loop(small_data: Path, tmp_path: Path):
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])  # bf16: the fused FFN steps aside
+def test_compiled_training_matches_the_plain_loop(small_data: Path, tmp_path: Path,
+                                                  dtype: str):
     """train.compile changes how the forward runs, not what it computes, nor the checkpoint."""
     import torch
     from torch._dynamo.utils import counters
 
     base = {"N": 1, "d_model": 32, "d_ff": 64, "h": 2, "d_k": 16, "d_v": 16, "P_drop": 0.0,
-            "train.max_tokens": 300, "max_steps": 6, "save_interval_steps": 6}
+            "train.max_tokens": 300, "max_steps": 6, "save_interval_steps": 6,
+            "train.dtype": dtype}
+    # bf16: inductor rounds its fused kernels' intermediates differently
+    rel, rtol, atol = (1e-4, 1e-3, 1e-5) if dtype == "fp32" else (1e-2, 1e-2, 1e-3)
     runs = {}
     for compiled in (False, True):
         cfg = apply_overrides(get_preset("tiny"), {**base, "train.compile": compiled})
@@ -46,5 +51,5 @@ def test_compiled_training_matches_the_plain_loop(small_data: Path, tmp_path: Pa
     (plain, plain_w), (comp, comp_w) = runs[False], runs[True]
     assert plain_w.keys() == comp_w.keys()  # no "_orig_mod." prefix: translate loads it
     assert [h["loss"] for h in comp.history] == pytest.approx(
-        [h["loss"] for h in plain.history], rel=1e-4)
-    assert all(torch.allclose(plain_w[k], comp_w[k], rtol=1e-3, atol=1e-5) for k in plain_w)
+        [h["loss"] for h in plain.history], rel=rel)
+    assert all(torch.allclose(plain_w[k], comp_w[k], rtol=rtol, atol=atol) for k in plain_w)

@@ -279,7 +279,10 @@ class PositionwiseFeedForward(nn.Module):
         self.relu_dropout = Dropout(relu_dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        if (x.device.type == "cpu" and torch.is_autocast_enabled("cpu")
+        # Not under torch.compile: inductor cannot lower the op for autograd (and fuses
+        # the bias and ReLU itself).
+        if (x.device.type == "cpu" and not torch.compiler.is_compiling()
+                and torch.is_autocast_enabled("cpu")
                 and torch.get_autocast_dtype("cpu") == torch.bfloat16
                 and type(self.w_1) is nn.Linear and fused_linear_relu_available()):
             bf16 = torch.bfloat16
