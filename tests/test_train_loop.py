@@ -28,7 +28,7 @@ def test_logged_loss_is_the_interval_mean(small_data: Path, tmp_path: Path):
 
 
 @pytest.mark.slow  # compiling takes a minute or more on this CPU
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])  # bf16: the fused FFN steps aside
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])  # bf16: the fused FFN op must stay out
 def test_compiled_training_matches_the_plain_loop(small_data: Path, tmp_path: Path,
                                                   dtype: str):
     """train.compile changes how the forward runs, not what it computes, nor the checkpoint."""
