@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from aiayn.checkpoint import load_model
 from aiayn.cli import main
@@ -86,6 +87,9 @@ def test_recipe_runs_end_to_end_on_a_slice(tmp_path, monkeypatch, capsys):
     assert losses[-1] < losses[0]  # it trained
     assert results["flops"]["counted_from_model"] > 0
     assert results["data"]["vocab_sha256"] and results["versions"]["torch"]
+    machine = results["machine"]  # what decides a bf16 run's kernels, hence its rounding
+    assert machine["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert isinstance(machine["amx_bf16"], bool) and isinstance(machine["avx512_bf16"], bool)
     # alpha was chosen on the (sliced) validation set: the best of the grid, rescored here
     tuning = results["alpha_tuning"]
     grid = load_recipe(ROOT / "configs" / "multi30k-en-de.toml")[1].tune_alpha

@@ -175,11 +175,30 @@ def environment() -> dict[str, Any]:
 
     machine: dict[str, Any] = {"platform": platform.platform(), "processor": _cpu_name(),
                                "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                               "python": sys.version.split()[0]}
+                               "python": sys.version.split()[0], **cpu_kernels()}
     if torch.cuda.is_available():
         machine["cuda_devices"] = [torch.cuda.get_device_name(i)
                                    for i in range(torch.cuda.device_count())]
     return {"versions": versions, "machine": machine}
+
+
+def cpu_kernels() -> dict[str, Any]:
+    """Which vector units PyTorch and oneDNN use on this CPU.
+
+    They choose the kernels, and so how a bf16 run's sums round: the same seed gives the
+    same run on two CPUs with the same units (AMX on Sapphire Rapids) and a different one
+    on, e.g., an AVX-512 BF16 CPU without AMX (seen: AMD EPYC; docs/results.md).
+    """
+    flags: set[str] = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    return {"cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "avx512_bf16": "avx512_bf16" in flags, "amx_bf16": "amx_bf16" in flags}
 
 
 def _cpu_name() -> str:
