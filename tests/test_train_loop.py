@@ -1,4 +1,5 @@
-"""The training loop's log: each logged loss is the token-weighted mean of its interval."""
+"""The training loop: each logged loss is the token-weighted mean of its interval, and a run
+that max_minutes will end before max_steps says so early."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+import aiayn.train as train_module
 from aiayn.config import apply_overrides, get_preset
 from aiayn.train import train
 
@@ -53,3 +55,33 @@ def test_compiled_training_matches_the_plain_loop(small_data: Path, tmp_path: Pa
     assert [h["loss"] for h in comp.history] == pytest.approx(
         [h["loss"] for h in plain.history], rel=rel)
     assert all(torch.allclose(plain_w[k], comp_w[k], rtol=rtol, atol=atol) for k in plain_w)
+
+
+@pytest.mark.parametrize("max_steps", [12, 1_000_000])
+def test_warns_early_when_max_minutes_will_end_the_run(small_data: Path, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch,
+                                                       caplog: pytest.LogCaptureFixture,
+                                                       max_steps: int):
+    # The pace of steps 2..6 projects the run: 12 steps fit a minute, a million do not.
+    monkeypatch.setattr(train_module, "PACE_FROM_STEP", 2)
+    monkeypatch.setattr(train_module, "PACE_AT_STEP", 6)
+    budget_min = 1.0 if max_steps == 12 else 0.03
+    cfg = apply_overrides(get_preset("tiny"), {
+        "N": 1, "d_model": 32, "d_ff": 64, "h": 2, "d_k": 16, "d_v": 16,
+        "train.max_tokens": 300, "max_steps": max_steps, "max_minutes": budget_min,
+        "save_interval_steps": 0, "valid_interval_steps": 1_000_000})
+    with caplog.at_level("WARNING", logger="aiayn.train"):
+        result = train(cfg, small_data, tmp_path / "run")
+    events = [json.loads(x) for x in (tmp_path / "run" / "train_log.jsonl").read_text()
+              .splitlines() if "budget_ends_first" in x]
+    if max_steps == 12:
+        assert result.stopped_by == "max_steps" and not events
+        assert "max_minutes" not in caplog.text
+    else:
+        assert result.stopped_by == "max_minutes"
+        assert [e["step"] for e in events] == [6] and "will stop this run near step" in caplog.text
+        per_step = events[0]["seconds_per_step"]
+        assert per_step > 0
+        assert events[0]["projected_minutes"] > budget_min
+        # the projection is the measured pace: it names a last step near where it stopped
+        assert result.state.step / 3 <= events[0]["projected_last_step"] <= 3 * result.state.step

@@ -45,6 +45,10 @@ OPTIMIZER_KEYS = {"warmup_steps", "lr_scale", "beta1", "beta2", "adam_eps", "cli
                   "dtype"}
 DATALOADER_KEYS = {"max_tokens", "update_freq", "seed", "max_len", "max_len_ratio"}
 MAX_CONSECUTIVE_NONFINITE = 5
+#: With max_minutes set, the pace of steps PACE_FROM_STEP..PACE_AT_STEP after the start (or
+#: resume) projects whether max_steps fits the budget. The first steps are skipped: on
+#: the CPU they also compile oneDNN kernels for new batch shapes and run slower.
+PACE_FROM_STEP, PACE_AT_STEP = 200, 600
 
 
 class TrainingError(RuntimeError):
@@ -578,6 +582,23 @@ class Trainer:
         with open(self.run_dir / "train_log.jsonl", "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
 
+    def _check_pace(self, step: int, seconds_per_step: float) -> None:
+        """Warn early, not at the end, when max_minutes will stop the run before max_steps
+        (e.g. a recipe sized on one CPU run on a slower one): the user can stop and change
+        the config while little time is spent."""
+        t = self.cfg.train
+        budget = 60 * t.max_minutes
+        need = self.state.train_seconds + seconds_per_step * (t.max_steps - step)
+        if need <= budget:
+            return
+        last = step + max(0, int((budget - self.state.train_seconds) / seconds_per_step))
+        log.warning("at %.3f s a step, max_steps %d needs ~%.0f minutes of training: "
+                    "max_minutes %g will stop this run near step %d", seconds_per_step,
+                    t.max_steps, need / 60, t.max_minutes, last)
+        self._log({"step": step, "event": "budget_ends_first",
+                   "seconds_per_step": seconds_per_step, "projected_minutes": need / 60,
+                   "projected_last_step": last})
+
     def _validate(self) -> dict[str, float]:
         if self.valid_data is None or not self.dist.is_main:
             return {}
@@ -630,6 +651,7 @@ class Trainer:
         consecutive_bad = 0
         recent_losses: list[float] = []  # for the divergence guard
         window = [0.0, 0.0, 0]  # loss and NLL sums, target tokens since the last log line
+        start_step, pace_mark = self.state.step, 0.0
         with contextlib.closing(self), _StopSignal() as stop:
             while self.state.step < t.max_steps:
                 t0 = time.perf_counter()
@@ -664,6 +686,11 @@ class Trainer:
                         stream, recent_losses = self._batch_stream(), []
                         continue
                 result.history.append({"step": step, **stats})
+                if t.max_minutes > 0 and step - start_step == PACE_FROM_STEP:
+                    pace_mark = self.state.train_seconds
+                elif t.max_minutes > 0 and step - start_step == PACE_AT_STEP:
+                    self._check_pace(step, (self.state.train_seconds - pace_mark)
+                                     / (PACE_AT_STEP - PACE_FROM_STEP))
                 if self.hooks.on_step:
                     self.hooks.on_step(step, stats)
                 n = int(stats["tgt_tokens"])
