@@ -185,9 +185,9 @@ def environment() -> dict[str, Any]:
 def cpu_kernels() -> dict[str, Any]:
     """Which vector units PyTorch and oneDNN use on this CPU.
 
-    They choose the kernels, and so how a bf16 run's sums round: the same seed gives the
-    same run on two CPUs with the same units (AMX on Sapphire Rapids) and a different one
-    on, e.g., an AVX-512 BF16 CPU without AMX (seen: AMD EPYC; docs/results.md).
+    They choose oneDNN's kernels, and so how a bf16 run's sums round: the same seed
+    reproduced bit for bit on Sapphire Rapids VMs (AMX) and gave another run, 0.34 BLEU
+    apart, on an AVX-512 BF16 CPU without AMX (AMD EPYC; docs/results.md).
     """
     flags: set[str] = set()
     try:
