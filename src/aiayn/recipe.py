@@ -186,29 +186,27 @@ def cpu_kernels() -> dict[str, Any]:
     """Which vector units PyTorch and oneDNN use on this CPU.
 
     They choose oneDNN's kernels, and so how a bf16 run's sums round: the same seed
-    reproduced bit for bit on Sapphire Rapids VMs (AMX) and gave another run, 0.34 BLEU
-    apart, on an AVX-512 BF16 CPU without AMX (AMD EPYC; docs/results.md).
+    reproduced bit for bit on Sapphire Rapids VMs (AMX) and gave another run, 0.31-0.34
+    BLEU apart, on an AVX-512 BF16 CPU without AMX (AMD EPYC; docs/results.md).
     """
-    flags: set[str] = set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
+    flags = set(_cpuinfo("flags").split())
     return {"cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "avx512_bf16": "avx512_bf16" in flags, "amx_bf16": "amx_bf16" in flags}
 
 
 def _cpu_name() -> str:
+    return _cpuinfo("model name") or platform.processor()
+
+
+def _cpuinfo(field: str) -> str:
+    """The first value of `field` in /proc/cpuinfo ("" where there is none, e.g. macOS)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith(field):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor()
+    return ""
 
 
 def run_recipe(path: str | Path, out: str | Path, *, data: str | Path | None = None,
