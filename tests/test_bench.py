@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import platform
 from dataclasses import replace
 
 import pytest
@@ -106,3 +107,31 @@ def test_profile_train_prints_the_operator_table(capsys, monkeypatch):
     assert profile_train.main() == 0
     out = capsys.readouterr().out
     assert "aten::mm" in out and "step wall" in out
+
+
+def _slow_bf16_warning_in_a_process(env: dict[str, str]) -> str:
+    import os
+    import subprocess
+    import sys
+
+    code = "from aiayn.flops import slow_bf16_warning; print(slow_bf16_warning('cpu'))"
+    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env},
+                          capture_output=True, text=True, timeout=300, check=True)
+    return done.stdout.strip()
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 oneDNN ISAs")
+def test_slow_bf16_warning_on_a_cpu_without_native_bf16():
+    # oneDNN held to AVX2 (as on a CPU without AVX-512): bf16 products fall back to generic
+    # code, tens of times slower than float32, and the check must say so with both rates.
+    text = _slow_bf16_warning_in_a_process({"ONEDNN_MAX_CPU_ISA": "AVX2"})
+    assert "no native bf16" in text and "GFLOP/s" in text and "--set train.dtype=fp32" in text
+
+
+def test_no_slow_bf16_warning_where_the_cpu_has_native_bf16():
+    from aiayn.recipe import cpu_kernels
+
+    kernels = cpu_kernels()
+    if not (kernels.get("amx_bf16") or kernels.get("avx512_bf16")):
+        pytest.skip("this CPU has no native bf16")
+    assert _slow_bf16_warning_in_a_process({}) == "None"

@@ -108,6 +108,37 @@ def test_recipe_runs_end_to_end_on_a_slice(tmp_path, monkeypatch, capsys):
     assert again["train"]["steps"] == 12 and again["scores"] == results["scores"]
 
 
+@pytest.mark.skipif(not MULTI30K.is_dir(), reason="needs ../shared/data/multi30k")
+def test_recipe_on_a_cpu_with_slow_bf16_warns_and_skips_the_large_peak_product(
+        tmp_path, monkeypatch, caplog):
+    # Where bf16 is emulated, one 2048^3 bf16 product takes ~17 s (oneDNN held to AVX2): the
+    # recipe then takes the ceiling from the check's small products instead, and the
+    # trainer warns (the check itself: tests/test_bench.py).
+    import aiayn.flops
+    import aiayn.train
+
+    def no_large_product(*args, **kwargs):
+        raise AssertionError("the 2048^3 ceiling was measured")
+
+    warning = "bf16 matrix products run at 1 GFLOP/s on this CPU"
+    for module in (aiayn.flops, aiayn.train):
+        monkeypatch.setattr(module, "slow_bf16_warning", lambda device: warning)
+    monkeypatch.setattr(aiayn.flops, "cpu_matmul_rates", lambda n=512: (2e11, 1e9))
+    monkeypatch.setattr(aiayn.flops, "matmul_peak", no_large_product)
+    monkeypatch.setenv("AIAYN_NO_MALLOC_TUNING", "1")
+    out = tmp_path / "run"
+    args = ["recipe", str(ROOT / "configs" / "multi30k-en-de.toml"), "--data", str(MULTI30K),
+            "--out", str(out), "--no-progress"]
+    for item in [*SMALL, "dtype=bf16"]:
+        args += ["--set", item]
+    with caplog.at_level("WARNING"):
+        assert main(args) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["flops"]["sustained_peak_flop_s"] == 1e9
+    assert warning in caplog.text
+    assert any('"slow_bf16"' in line for line in (out / "train_log.jsonl").read_text().splitlines())
+
+
 def test_lowercase_is_a_boolean_from_the_file_and_from_set(tmp_path):
     path = tmp_path / "lc.toml"
     path.write_text('preset = "tiny"\n[recipe]\nlowercase = true\n')

@@ -85,3 +85,33 @@ def test_warns_early_when_max_minutes_will_end_the_run(small_data: Path, tmp_pat
         assert events[0]["projected_minutes"] > budget_min
         # the projection is the measured pace: it names a last step near where it stopped
         assert result.state.step / 3 <= events[0]["projected_last_step"] <= 3 * result.state.step
+
+
+@pytest.mark.parametrize("slow", [True, False])
+def test_bf16_training_warns_where_bf16_is_slower_than_fp32(
+        small_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture, slow: bool):
+    # The check itself is tested on real (restricted) kernels in test_bench.py; here, that
+    # the trainer asks it for bf16 runs only, and says what it found in the log and the file.
+    asked: list[str] = []
+
+    def check(device: object) -> str | None:
+        asked.append(str(device))
+        return "bf16 matrix products run at 1 GFLOP/s" if slow else None
+
+    monkeypatch.setattr(train_module, "slow_bf16_warning", check)
+    for dtype in ("fp32", "bf16"):
+        cfg = apply_overrides(get_preset("tiny"), {
+            "N": 1, "d_model": 32, "d_ff": 64, "h": 2, "d_k": 16, "d_v": 16, "dtype": dtype,
+            "train.max_tokens": 300, "max_steps": 2, "save_interval_steps": 0})
+        with caplog.at_level("WARNING", logger="aiayn.train"):
+            train(cfg, small_data, tmp_path / dtype)
+        events = [json.loads(x) for x in (tmp_path / dtype / "train_log.jsonl").read_text()
+                  .splitlines() if "slow_bf16" in x]
+        if dtype == "bf16" and slow:
+            assert [e["step"] for e in events] == [0]
+            assert "1 GFLOP/s" in events[0]["message"]
+        else:
+            assert not events
+    assert asked == ["cpu"]  # once, for the bf16 run
+    assert ("1 GFLOP/s" in caplog.text) == slow

@@ -18,6 +18,7 @@ from aiayn.config import EOS_ID, DecodeConfig, ModelConfig
 from aiayn.model import Transformer
 from aiayn.translate import (
     can_pack_bf16,
+    cast_for_inference,
     decode_lines,
     translate_file,
     translate_lines,
@@ -391,3 +392,16 @@ def test_tune_alpha_keeps_the_alpha_whose_translations_match_the_references(
         assert scores[target] == pytest.approx(100.0) and scores[1.4 - target] < 99.0
         kept = (tmp_path / f"tune{target}" / f"alpha{target:g}.hyp").read_text(encoding="utf-8")
         assert kept.splitlines() == outputs
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "int8"])
+def test_bf16_decoding_warns_where_bf16_is_slower_than_fp32(monkeypatch, caplog, dtype):
+    import aiayn.translate as translate_module
+
+    monkeypatch.setattr(translate_module, "slow_bf16_warning",
+                        lambda device: f"bf16 is slow on {device}")
+    model = Transformer(ModelConfig(N=1, d_model=32, h=2, d_k=16, d_v=16, d_ff=64,
+                                    P_drop=0.0, vocab_size=50)).eval()
+    with caplog.at_level(logging.WARNING, logger="aiayn.translate"):
+        cast_for_inference(model, dtype)
+    assert ("bf16 is slow on cpu" in caplog.text) == (dtype == "bf16")

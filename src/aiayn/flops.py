@@ -9,6 +9,7 @@ left out, as it is in those conventions.
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -70,3 +71,39 @@ def matmul_peak(dtype: torch.dtype = torch.float32, n: int | None = None, repeat
             times.append(time.perf_counter() - t0)
     times.sort()
     return 2.0 * n**3 / times[len(times) // 2]
+
+
+#: bf16 counts as slow when its products run below this fraction of float32's (a margin for
+#: timing noise: where bf16 is emulated, the measured gap is 2.4x to ~80x, see below).
+SLOW_BF16_FRACTION = 0.8
+
+
+def slow_bf16_warning(device: str | torch.device = "cpu", n: int = 512) -> str | None:
+    """A warning when bf16 matrix products are slower than float32 on this CPU, else None.
+
+    bf16 autocast pays only where the CPU multiplies bf16 natively (AVX-512 BF16 or AMX;
+    the configs' `dtype = "bf16"` was sized on AMX, where it is ~6x float32). Elsewhere
+    it is emulated: measured on an AMD EPYC VM with oneDNN held to older instruction sets
+    (`ONEDNN_MAX_CPU_ISA`), 512-1024^3 products ran 2.4x slower than float32 with AVX-512
+    but no BF16 (Skylake, Cascade Lake), and ~60-180x slower with AVX2 only, where PyTorch
+    falls back to its generic kernel. Measuring (~5 ms here, under a second on an AVX2-only
+    CPU) rather than reading CPU flags also catches a PyTorch build without oneDNN.
+    """
+    if torch.device(device).type != "cpu":
+        return None
+    fp32, bf16 = cpu_matmul_rates(n)
+    if bf16 >= SLOW_BF16_FRACTION * fp32:
+        return None
+    return (f"bf16 matrix products run at {bf16 / 1e9:.0f} GFLOP/s on this CPU and float32 at "
+            f"{fp32 / 1e9:.0f} ({fp32 / bf16:.1f}x faster): it has no native bf16 (AVX-512 "
+            "BF16 or AMX), so dtype bf16 is slower here; float32 is the faster choice "
+            "(e.g. --set train.dtype=fp32, or translate --dtype fp32)")
+
+
+@functools.cache
+def cpu_matmul_rates(n: int = 512) -> tuple[float, float]:
+    """(float32, bf16) n^3 product rates on the CPU (FLOP/s), measured once per process:
+    small enough to take under a second where bf16 is emulated (a 2048^3 bf16 product
+    took ~17 s with oneDNN held to AVX2)."""
+    return (matmul_peak(torch.float32, n=n, repeats=3),
+            matmul_peak(torch.bfloat16, n=n, repeats=3))

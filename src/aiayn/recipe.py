@@ -235,7 +235,7 @@ def run_recipe(path: str | Path, out: str | Path, *, data: str | Path | None = N
     from aiayn.data import find_input, prepare
     from aiayn.download import download_multi30k
     from aiayn.evaluate import score_files
-    from aiayn.flops import matmul_peak
+    from aiayn.flops import cpu_matmul_rates, matmul_peak, slow_bf16_warning
     from aiayn.train import train
     from aiayn.translate import translate_file
 
@@ -271,7 +271,11 @@ def run_recipe(path: str | Path, out: str | Path, *, data: str | Path | None = N
     # The matmul ceiling for Table 2's estimate, measured before training (measured after
     # it in the same process, it came out 2-3x lower on the CPU).
     peak_dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32
-    peak = matmul_peak(peak_dtype, device=device)
+    if cfg.train.dtype == "bf16" and slow_bf16_warning(device):
+        # emulated bf16 (the trainer says so next): the 2048^3 products would take minutes
+        peak = cpu_matmul_rates()[1]
+    else:
+        peak = matmul_peak(peak_dtype, device=device)
     t0 = time.perf_counter()
     result = train(cfg, prepared, out, device=device, hooks=hooks)
     wall["train_s"] = time.perf_counter() - t0

@@ -29,7 +29,7 @@ from aiayn.data import Corpus, load_corpus, load_manifest
 from aiayn.distributed import DistContext, init_from_env, shutdown
 from aiayn.faults import Faults
 from aiayn.files import sha256_file, write_text_atomic
-from aiayn.flops import training_flops
+from aiayn.flops import slow_bf16_warning, training_flops
 from aiayn.loss import generator_loss
 from aiayn.model import Transformer, count_parameters
 from aiayn.tokenizer import Tokenizer
@@ -645,6 +645,11 @@ class Trainer:
                  "side x %d accumulation x %d ranks = ~%d", count_parameters(self.model),
                  len(self.train_data), t.max_tokens, t.update_freq, self.dist.world_size,
                  t.max_tokens * t.update_freq * self.dist.world_size)
+        if t.dtype == "bf16" and self.dist.is_main:
+            warning = slow_bf16_warning(self.device)
+            if warning:
+                log.warning(warning)
+                self._log({"step": self.state.step, "event": "slow_bf16", "message": warning})
         self.model.train()
         stream = self._batch_stream()
         last_save = time.monotonic()

@@ -37,6 +37,7 @@ from torch import Tensor, nn
 from aiayn.batching import decode_batches
 from aiayn.config import EOS_ID, PAD_ID, UNK_ID, DecodeConfig
 from aiayn.files import atomic_write, open_bytes
+from aiayn.flops import slow_bf16_warning
 from aiayn.model import Transformer, onednn_bf16
 from aiayn.search import Hypothesis, beam_search, position_limit
 from aiayn.workers import check_workers, map_batches
@@ -159,6 +160,9 @@ def cast_for_inference(model: Transformer, dtype: str) -> Transformer:
         raise ValueError(f"dtype must be one of {', '.join(INFERENCE_DTYPES)}, got {dtype!r}")
     model.requires_grad_(False)
     if dtype == "bf16":
+        warning = slow_bf16_warning(next(model.parameters()).device)
+        if warning:
+            logger.warning(warning)
         model = model.to(torch.bfloat16)
         if can_pack_bf16():
             pack_linears(model)
