@@ -86,8 +86,8 @@ def slow_bf16_warning(device: str | torch.device = "cpu", n: int = 512) -> str |
     it is emulated: measured on an AMD EPYC VM with oneDNN held to older instruction sets
     (`ONEDNN_MAX_CPU_ISA`), 512-1024^3 products ran 2.4x slower than float32 with AVX-512
     but no BF16 (Skylake, Cascade Lake), and ~60-180x slower with AVX2 only, where PyTorch
-    falls back to its generic kernel. Measuring (~20 ms here, ~1 s on an AVX2-only
-    CPU) rather than reading CPU flags also catches a PyTorch build without oneDNN.
+    falls back to its generic kernel. Measuring (~20 ms here, 0.56 s held to AVX2) rather
+    than reading CPU flags also catches a PyTorch build without oneDNN.
     """
     if torch.device(device).type != "cpu":
         return None
