@@ -115,3 +115,43 @@ def test_bf16_training_warns_where_bf16_is_slower_than_fp32(
             assert not events
     assert asked == ["cpu"]  # once, for the bf16 run
     assert ("1 GFLOP/s" in caplog.text) == slow
+
+
+def test_a_run_too_slow_to_reach_the_pace_step_is_projected_by_time(
+        small_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture):
+    # As for bf16 on a CPU that emulates it (~6 s a step): step PACE_AT_STEP would come with
+    # the end of the budget, so the projection comes once 10% of max_minutes is spent.
+    monkeypatch.setattr(train_module, "PACE_FROM_STEP", 10**6)
+    monkeypatch.setattr(train_module, "PACE_AT_STEP", 2 * 10**6)
+    monkeypatch.setattr(train_module, "PACE_EARLY_STEP", 2)
+    budget_min = 0.03
+    cfg = apply_overrides(get_preset("tiny"), {
+        "N": 1, "d_model": 32, "d_ff": 64, "h": 2, "d_k": 16, "d_v": 16,
+        "train.max_tokens": 300, "max_steps": 10**6, "max_minutes": budget_min,
+        "save_interval_steps": 0, "valid_interval_steps": 1_000_000})
+    with caplog.at_level("WARNING", logger="aiayn.train"):
+        result = train(cfg, small_data, tmp_path / "run")
+    log = [json.loads(x) for x in (tmp_path / "run" / "train_log.jsonl").read_text()
+           .splitlines()]
+    events = [e for e in log if e.get("event") == "budget_ends_first"]
+    assert result.stopped_by == "max_minutes" and len(events) == 1
+    assert 4 <= events[0]["step"] < result.state.step
+    assert "will stop this run near step" in caplog.text
+    # it came early in the budget, not at its end, and projects about where the run stopped
+    assert events[0]["step"] <= result.state.step / 2
+    assert result.state.step / 3 <= events[0]["projected_last_step"] <= 3 * result.state.step
+
+
+def test_pace_is_checked_once_from_the_right_marks(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(train_module, "PACE_EARLY_STEP", 10)
+    monkeypatch.setattr(train_module, "PACE_FROM_STEP", 200)
+    monkeypatch.setattr(train_module, "PACE_AT_STEP", 600)
+    # a fast run: checked at step 600, from step 200's mark, never again
+    pace = train_module._Pace(budget_s=3600.0, start_s=0.0)
+    seen = {d: pace.seconds_per_step(d, 0.25 * d) for d in range(1, 1000)}
+    assert {d: v for d, v in seen.items() if v is not None} == {600: pytest.approx(0.25)}
+    # a slow run: checked once 10% of the budget (360 s) is spent, from step 10's mark
+    pace = train_module._Pace(budget_s=3600.0, start_s=100.0)
+    seen = {d: pace.seconds_per_step(d, 100.0 + 6.0 * d) for d in range(1, 600)}
+    assert {d: v for d, v in seen.items() if v is not None} == {60: pytest.approx(6.0)}

@@ -49,6 +49,36 @@ MAX_CONSECUTIVE_NONFINITE = 5
 #: resume) projects whether max_steps fits the budget. The first steps are skipped: on
 #: the CPU they also compile oneDNN kernels for new batch shapes and run slower.
 PACE_FROM_STEP, PACE_AT_STEP = 200, 600
+#: A run too slow to reach PACE_AT_STEP early (bf16 on a CPU that emulates it: ~6 s a
+#: step, so step 600 came with the end of a 60-minute budget) is projected instead once
+#: PACE_EARLY_FRACTION of max_minutes is spent, from the pace after PACE_EARLY_STEP (or
+#: after PACE_FROM_STEP, if passed).
+PACE_EARLY_STEP, PACE_EARLY_FRACTION = 10, 0.1
+
+
+@dataclass
+class _Pace:
+    """When to project a run's pace against max_minutes, once; see PACE_* above."""
+
+    budget_s: float
+    start_s: float  # train_seconds when this process started training
+    marks: dict[int, float] = field(default_factory=dict)  # steps done -> train_seconds
+    checked: bool = False
+
+    def seconds_per_step(self, done: int, now_s: float) -> float | None:
+        """The pace to check after `done` steps of this process, or None (not yet/done)."""
+        if self.checked or self.budget_s <= 0:
+            return None
+        if done in (PACE_EARLY_STEP, PACE_FROM_STEP):
+            self.marks[done] = now_s
+        since = max((d for d in self.marks if d < done), default=None)
+        due = done == PACE_AT_STEP or (
+            done >= 2 * PACE_EARLY_STEP
+            and now_s - self.start_s >= PACE_EARLY_FRACTION * self.budget_s)
+        if since is None or not due:
+            return None
+        self.checked = True
+        return (now_s - self.marks[since]) / (done - since)
 
 
 class TrainingError(RuntimeError):
@@ -656,7 +686,8 @@ class Trainer:
         consecutive_bad = 0
         recent_losses: list[float] = []  # for the divergence guard
         window = [0.0, 0.0, 0]  # loss and NLL sums, target tokens since the last log line
-        start_step, pace_mark = self.state.step, 0.0
+        start_step = self.state.step
+        pace = _Pace(60 * t.max_minutes, self.state.train_seconds)
         with contextlib.closing(self), _StopSignal() as stop:
             while self.state.step < t.max_steps:
                 t0 = time.perf_counter()
@@ -691,11 +722,9 @@ class Trainer:
                         stream, recent_losses = self._batch_stream(), []
                         continue
                 result.history.append({"step": step, **stats})
-                if t.max_minutes > 0 and step - start_step == PACE_FROM_STEP:
-                    pace_mark = self.state.train_seconds
-                elif t.max_minutes > 0 and step - start_step == PACE_AT_STEP:
-                    self._check_pace(step, (self.state.train_seconds - pace_mark)
-                                     / (PACE_AT_STEP - PACE_FROM_STEP))
+                per_step = pace.seconds_per_step(step - start_step, self.state.train_seconds)
+                if per_step is not None:
+                    self._check_pace(step, per_step)
                 if self.hooks.on_step:
                     self.hooks.on_step(step, stats)
                 n = int(stats["tgt_tokens"])
