@@ -74,7 +74,7 @@ def matmul_peak(dtype: torch.dtype = torch.float32, n: int | None = None, repeat
 
 
 #: bf16 counts as slow when its products run below this fraction of float32's (a margin for
-#: timing noise: where bf16 is emulated, the measured gap is 2.4x to ~80x, see below).
+#: timing noise: where bf16 is emulated, the measured gap is 2x to ~50-180x, see below).
 SLOW_BF16_FRACTION = 0.8
 
 
@@ -85,7 +85,7 @@ def slow_bf16_warning(device: str | torch.device = "cpu", n: int = 512) -> str |
     the configs' `dtype = "bf16"` was sized on AMX, where it is ~6x float32). Elsewhere
     it is emulated: measured on an AMD EPYC VM with oneDNN held to older instruction sets
     (`ONEDNN_MAX_CPU_ISA`), 512-1024^3 products ran 2.4x slower than float32 with AVX-512
-    but no BF16 (Skylake, Cascade Lake), and ~60-180x slower with AVX2 only, where PyTorch
+    but no BF16 (Skylake, Cascade Lake), and ~50-180x slower with AVX2 only, where PyTorch
     falls back to its generic kernel. Measuring (~20 ms here, 0.56 s held to AVX2) rather
     than reading CPU flags also catches a PyTorch build without oneDNN.
     """
