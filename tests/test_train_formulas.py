@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from aiayn.config import PAD_ID
-from aiayn.loss import generator_loss, label_smoothed_loss
+from aiayn.loss import generator_loss, label_smoothed_loss, rdrop_loss
 from aiayn.train import learning_rate
 
 
@@ -114,6 +114,42 @@ def test_fused_projection_and_loss_equal_the_definition(eps):
     with torch.no_grad():  # validation: no gradient table, the same numbers
         assert float(generator_loss(features, weight, target, eps)[1]) == pytest.approx(
             float(ref_nll), rel=1e-12)
+
+
+def test_rdrop_loss_is_its_definition():
+    """R-Drop on two different halves: the halves' mean smoothed loss plus alpha/4 x both
+    KL directions, each written out as sum p (log p - log q) over the real tokens."""
+    features, weight, target = _projection_case()
+    other = features + 0.3 * torch.randn_like(features)  # the second pass's "dropout"
+    stacked, targets = torch.cat([features, other]), target.repeat(2, 1)
+    loss, nll = rdrop_loss(stacked, weight, targets, 0.1, alpha=5.0)
+    ce1, nll1 = label_smoothed_loss(features @ weight.t(), target, 0.1)
+    ce2, nll2 = label_smoothed_loss(other @ weight.t(), target, 0.1)
+    real = target != PAD_ID
+    lp = torch.log_softmax(features @ weight.t(), -1)[real]
+    lq = torch.log_softmax(other @ weight.t(), -1)[real]
+    kl_pq = (lp.exp() * (lp - lq)).sum()
+    kl_qp = (lq.exp() * (lq - lp)).sum()
+    assert float(kl_pq) > 0 and float(kl_qp) > 0
+    assert float(loss) == pytest.approx(float((ce1 + ce2) / 2 + 5.0 / 4 * (kl_pq + kl_qp)),
+                                        rel=1e-12)
+    assert float(nll) == pytest.approx(float((nll1 + nll2) / 2), rel=1e-12)
+
+
+def test_rdrop_loss_of_two_equal_passes_is_the_plain_loss_with_its_gradient():
+    """Without dropout the halves agree: the KL term and its gradient vanish, and the loss
+    and the gradients of features and weight are the paper's objective's."""
+    features, weight, target = _projection_case()
+    f1, w1 = features.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss, nll = rdrop_loss(torch.cat([f1, f1]), w1, target.repeat(2, 1), 0.1, alpha=5.0)
+    loss.backward()
+    f2, w2 = features.clone().requires_grad_(), weight.clone().requires_grad_()
+    ref_loss, ref_nll = generator_loss(f2, w2, target, 0.1)
+    ref_loss.backward()
+    assert float(loss.detach()) == pytest.approx(float(ref_loss.detach()), rel=1e-12)
+    assert float(nll) == pytest.approx(float(ref_nll), rel=1e-12)
+    torch.testing.assert_close(f1.grad, f2.grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(w1.grad, w2.grad, rtol=1e-10, atol=1e-12)
 
 
 def test_fused_projection_and_loss_in_bf16_are_as_accurate_as_the_unfused_path():

@@ -155,3 +155,30 @@ def test_pace_is_checked_once_from_the_right_marks(monkeypatch: pytest.MonkeyPat
     pace = train_module._Pace(budget_s=3600.0, start_s=100.0)
     seen = {d: pace.seconds_per_step(d, 100.0 + 6.0 * d) for d in range(1, 600)}
     assert {d: v for d, v in seen.items() if v is not None} == {60: pytest.approx(6.0)}
+
+
+def test_rdrop_training_without_dropout_is_the_plain_objective(small_data: Path,
+                                                              tmp_path: Path):
+    """train.rdrop_alpha doubles each batch; with P_drop 0 the two passes agree, so the
+    run must follow the plain run's losses and weights; with dropout it must not."""
+    import torch
+
+    base = {"N": 1, "d_model": 32, "d_ff": 64, "h": 2, "d_k": 16, "d_v": 16,
+            "train.max_tokens": 300, "max_steps": 4, "save_interval_steps": 4}
+    runs = {}
+    for name, extra in {"plain": {"P_drop": 0.0}, "rdrop": {"P_drop": 0.0,
+                        "train.rdrop_alpha": 5.0}, "rdrop_dropout": {"P_drop": 0.3,
+                        "train.rdrop_alpha": 5.0}, "plain_dropout": {"P_drop": 0.3}}.items():
+        cfg = apply_overrides(get_preset("tiny"), {**base, **extra})
+        result = train(cfg, small_data, tmp_path / name)
+        weights = torch.load(tmp_path / name / "checkpoint_4.pt", weights_only=True)["model"]
+        runs[name] = ([h["loss"] for h in result.history], weights,
+                      [h["tgt_tokens"] for h in result.history])
+    plain, rdrop = runs["plain"], runs["rdrop"]
+    assert rdrop[2] == plain[2]  # tokens are counted once, not twice
+    assert rdrop[0] == pytest.approx(plain[0], rel=1e-5)
+    assert all(torch.allclose(plain[1][k], rdrop[1][k], rtol=1e-4, atol=1e-6)
+               for k in plain[1])
+    # with dropout the first step's loss adds a positive KL to the same expected CE
+    assert runs["rdrop_dropout"][0][0] != pytest.approx(runs["plain_dropout"][0][0],
+                                                        rel=1e-3)

@@ -96,6 +96,10 @@ class TrainConfig:
     # ~2 minutes of compiling (four compilations); on 2 CPU threads compiled steps ran at
     # 0.67-0.77x the eager speed. Off by default; see docs/performance.md.
     compile: bool = False
+    # R-Drop (Liang et al., 2021), beyond the paper: every batch passes twice (different
+    # dropout masks) and rdrop_alpha x the two predictions' symmetric KL joins the loss
+    # (aiayn.loss.rdrop_loss). A step costs ~2x. 0 = off, the paper's objective.
+    rdrop_alpha: float = 0.0
     patience: int = 0  # stop after this many validations without a better NLL; 0 = never
     # Divergence guard (Marian --throw-on-divergence): the mean loss of the last
     # divergence_short steps above the mean of the divergence_window steps before them by
@@ -122,7 +126,8 @@ class TrainConfig:
         for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"train.{name} must be in [0, 1), got {getattr(self, name)}")
-        for name in ("max_minutes", "clip_norm", "save_interval_steps", "save_interval_minutes"):
+        for name in ("max_minutes", "clip_norm", "save_interval_steps", "save_interval_minutes",
+                     "rdrop_alpha"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
         if self.max_len_ratio < 1.0:

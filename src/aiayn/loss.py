@@ -171,3 +171,34 @@ def _smoothed_ce_rows(logits: Tensor, target: Tensor, eps: float, *,
     nll = (lse - picked).sum()
     uniform = (lse - total / vocab).sum()
     return (1.0 - eps) * nll + eps * uniform, nll
+
+
+def rdrop_loss(features: Tensor, weight: Tensor, target: Tensor, eps_ls: float,
+               alpha: float) -> tuple[Tensor, Tensor]:
+    """R-Drop (Liang et al., 2021), an option beyond the paper: the loss of a batch that
+    went through the model twice, stacked as two halves with different dropout masks.
+
+    Per token of the original batch: the mean of the two halves' smoothed losses, plus
+    `alpha` / 4 x (KL(p1 || p2) + KL(p2 || p1)), the definition of the R-Drop authors'
+    fairseq criterion (their CE summed over both copies plus alpha x the mean of the two
+    KL directions, over twice the tokens), so their alpha (5 for IWSLT) means the same here.
+
+    Args:
+        features: (2B, T, D), the batch's two passes stacked. weight: (V, D).
+        target: (2B, T), the targets stacked the same way, PAD_ID at padding.
+    Returns:
+        (loss, NLL), summed over the non-pad tokens of one half (the NLL is the two halves'
+        mean and carries no gradient), so per-token figures compare with `generator_loss`'s.
+    """
+    flat = target.flatten()
+    rows = (flat != PAD_ID).nonzero().squeeze(1)
+    half = rows.numel() // 2
+    logits = F.linear(features.flatten(0, 1).index_select(0, rows), weight)
+    t = flat.index_select(0, rows)
+    loss, nll = label_smoothed_loss(logits.unsqueeze(0), t.unsqueeze(0), eps_ls)
+    lprobs = F.log_softmax(logits, dim=-1,
+                           dtype=torch.promote_types(logits.dtype, torch.float32))
+    lp1, lp2 = lprobs[:half], lprobs[half:]
+    # sum p1 (log p1 - log p2) + p2 (log p2 - log p1) = sum (p1 - p2)(log p1 - log p2)
+    kl_both = ((lp1.exp() - lp2.exp()) * (lp1 - lp2)).sum()
+    return loss / 2 + alpha / 4 * kl_both, nll / 2

@@ -30,7 +30,7 @@ from aiayn.distributed import DistContext, init_from_env, shutdown
 from aiayn.faults import Faults
 from aiayn.files import sha256_file, write_text_atomic
 from aiayn.flops import slow_bf16_warning, training_flops
-from aiayn.loss import generator_loss
+from aiayn.loss import generator_loss, rdrop_loss
 from aiayn.model import Transformer, count_parameters
 from aiayn.tokenizer import Tokenizer
 
@@ -497,9 +497,16 @@ class Trainer:
                 with sync:
                     self.faults.oom()
                     with _autocast(self.device, t.dtype):
-                        features = self.net(batch.src, batch.tgt_in, features_only=True)
-                        loss, nll = generator_loss(features, self.model.generator.weight,
-                                                   batch.tgt_out, t.eps_ls)
+                        if t.rdrop_alpha > 0:  # both passes in one batch: two masks
+                            features = self.net(batch.src.repeat(2, 1),
+                                                batch.tgt_in.repeat(2, 1), features_only=True)
+                            loss, nll = rdrop_loss(features, self.model.generator.weight,
+                                                   batch.tgt_out.repeat(2, 1), t.eps_ls,
+                                                   t.rdrop_alpha)
+                        else:
+                            features = self.net(batch.src, batch.tgt_in, features_only=True)
+                            loss, nll = generator_loss(features, self.model.generator.weight,
+                                                       batch.tgt_out, t.eps_ls)
                     loss = self.faults.nan_loss(loss)
                     (loss * scale).backward()
             except (torch.OutOfMemoryError, RuntimeError) as e:
@@ -511,7 +518,7 @@ class Trainer:
             nll_sum += float(nll)  # type: ignore[arg-type]  # None only on the OOM path
             src_tok += batch.src_tokens
             flops += training_flops(self.cfg.model, batch.src.size(0), batch.src.size(1),
-                                    batch.tgt_in.size(1))
+                                    batch.tgt_in.size(1)) * (2 if t.rdrop_alpha > 0 else 1)
             self.state.epoch, self.state.batch_in_epoch = epoch, pos
         if self.dist.active:  # every rank reports, and decides on, the same totals
             loss_sum, nll_sum, src_tok, flops = self.dist.all_sum(
