@@ -197,3 +197,31 @@ def test_fused_projection_and_loss_in_bf16_are_as_accurate_as_the_unfused_path()
     for fused, unfused in zip(errors["fused"], errors["unfused"], strict=True):
         assert fused < 1.5 * unfused + 1e-6, errors
     assert max(errors["fused"]) < 2e-2, errors
+
+
+def test_fused_rdrop_loss_in_bf16_is_as_accurate_as_the_unfused_path():
+    """The R-Drop gradient table is bf16 under autocast too; no further from float64 than
+    the loss as written under the same autocast."""
+    features, weight, target = _projection_case(torch.float32, vocab=3000, seed=1)
+    weight = weight * 0.3
+    stacked = torch.cat([features, features + 0.3 * torch.randn_like(features)])
+    targets = target.repeat(2, 1)
+    exact_f, exact_w = stacked.double().requires_grad_(), weight.double().requires_grad_()
+    exact, _ = _rdrop_loss_unfused(exact_f, exact_w, targets, 0.1, alpha=5.0)
+    exact.backward()
+
+    def rel(mine: torch.Tensor, ref: torch.Tensor) -> float:
+        return float((mine.double() - ref).norm() / ref.norm())
+
+    errors = {}
+    for name, fn in {"fused": rdrop_loss, "unfused": _rdrop_loss_unfused}.items():
+        f, w = stacked.clone().requires_grad_(), weight.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, _ = fn(f, w, targets, 0.1, alpha=5.0)
+        loss.backward()
+        assert f.grad.dtype == w.grad.dtype == torch.float32
+        errors[name] = [abs(float(loss) - float(exact)) / float(exact),
+                        rel(f.grad, exact_f.grad), rel(w.grad, exact_w.grad)]
+    for fused, unfused in zip(errors["fused"], errors["unfused"], strict=True):
+        assert fused < 1.5 * unfused + 1e-6, errors
+    assert max(errors["fused"]) < 2e-2, errors

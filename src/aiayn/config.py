@@ -98,7 +98,9 @@ class TrainConfig:
     compile: bool = False
     # R-Drop (Liang et al., 2021), beyond the paper: every batch passes twice (different
     # dropout masks) and rdrop_alpha x the two predictions' symmetric KL joins the loss
-    # (aiayn.loss.rdrop_loss). The recipe's step cost 2.5x (AMD VM). 0 = off, the paper's objective.
+    # (aiayn.loss.rdrop_loss). The recipe model's step costs 2.2x (AMD VM); 7,000 steps
+    # of it scored 2.2 test tok-BLEU below the recipe (docs/results.md, "R-Drop").
+    # 0 = off, the paper's objective.
     rdrop_alpha: float = 0.0
     patience: int = 0  # stop after this many validations without a better NLL; 0 = never
     # Divergence guard (Marian --throw-on-divergence): the mean loss of the last
