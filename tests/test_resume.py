@@ -366,3 +366,20 @@ def test_a_key_newer_than_the_checkpoint_counts_as_its_default() -> None:
     with pytest.raises(TrainingError, match=r"train.clip_norm: 0.0 -> 1.0"):
         check_resume_compatible(saved, apply_overrides(cfg, {"clip_norm": 1.0}),
                                 reset_optimizer=False, reset_dataloader=False)
+
+
+def test_resume_with_a_changed_rdrop_alpha_is_refused() -> None:
+    """R-Drop changes the objective: a run trained with it (or without) cannot resume
+    with another alpha, whatever reset flag is given; a checkpoint older than the option
+    was trained without it."""
+    from aiayn.train import TrainingError, check_resume_compatible
+
+    cfg = apply_overrides(get_preset("tiny"), SMALL)
+    old = {"config": cfg.to_dict()}
+    del old["config"]["train"]["rdrop_alpha"]
+    check_resume_compatible(old, cfg, reset_optimizer=False, reset_dataloader=False)
+    rdrop = apply_overrides(cfg, {"train.rdrop_alpha": 5.0})
+    for saved, new, listed in ((old, rdrop, "0.0 -> 5.0"),
+                               ({"config": rdrop.to_dict()}, cfg, "5.0 -> 0.0")):
+        with pytest.raises(TrainingError, match=rf"train.rdrop_alpha: {listed}"):
+            check_resume_compatible(saved, new, reset_optimizer=True, reset_dataloader=True)
