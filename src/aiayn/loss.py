@@ -271,15 +271,14 @@ def _rdrop_rows(table: Tensor, target: Tensor, eps: float,
             x = table[off + s:off + e].to(acc)
             lp = F.log_softmax(x, dim=-1)
             t = target[off + s:off + e, None]
-            picked = lp.gather(1, t)
-            nll -= picked.sum()
-            smoothed -= (1.0 - eps) * picked.sum() + eps / vocab * lp.sum()
+            picked = lp.gather(1, t).sum()
+            nll -= picked
+            smoothed -= (1.0 - eps) * picked + eps / vocab * lp.sum()
             halves.append((lp, t))
         (lp1, t1), (lp2, t2) = halves
         p1, p2 = lp1.exp(), lp2.exp()
         d = lp1 - lp2
-        diff = p1 - p2
-        kl_both += (diff * d).sum()
+        kl_both += ((p1 - p2) * d).sum()
         e1 = (p1 * d).sum(1, keepdim=True)
         e2 = (p2 * d).sum(1, keepdim=True)
         k = alpha / 4
