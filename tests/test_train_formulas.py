@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -171,57 +173,52 @@ def test_fused_rdrop_loss_has_the_definitions_value_and_gradients():
     torch.testing.assert_close(w1.grad, w2.grad, rtol=1e-10, atol=1e-12)
 
 
+def _assert_fused_bf16_as_accurate(features: torch.Tensor, weight: torch.Tensor, exact: Any,
+                                   fused: Any, unfused: Any, scale: float = 1.0) -> None:
+    """Under bf16 autocast the fused loss, and its gradients for features and weight, must
+    be no further from `exact` in float64 than the unfused path is."""
+    exact_f, exact_w = features.double().requires_grad_(), weight.double().requires_grad_()
+    ref = exact(exact_f, exact_w)
+    ref.backward()
+
+    def rel(mine: torch.Tensor, r: torch.Tensor) -> float:
+        return float((mine.double() - r * scale).norm() / (r * scale).norm())
+
+    errors = {}
+    for name, fn in {"fused": fused, "unfused": unfused}.items():
+        f, w = features.clone().requires_grad_(), weight.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = fn(f, w)
+        (loss * scale).backward()
+        assert f.grad.dtype == w.grad.dtype == torch.float32
+        errors[name] = [abs(float(loss) - float(ref)) / float(ref),
+                        rel(f.grad, exact_f.grad), rel(w.grad, exact_w.grad)]
+    for fused_error, unfused_error in zip(errors["fused"], errors["unfused"], strict=True):
+        assert fused_error < 1.5 * unfused_error + 1e-6, errors
+    assert max(errors["fused"]) < 2e-2, errors
+
+
 def test_fused_projection_and_loss_in_bf16_are_as_accurate_as_the_unfused_path():
     """Under bf16 autocast both paths round the logits and the gradient table to bf16; the
     fused one must be no further from float64 than nn.Linear + label_smoothed_loss."""
     features, weight, target = _projection_case(torch.float32, vocab=3000, seed=1)
-    weight = weight * 0.3
-    exact_f, exact_w = features.double().requires_grad_(), weight.double().requires_grad_()
-    exact, _ = label_smoothed_loss(exact_f @ exact_w.t(), target, 0.1)
-    exact.backward()
-    def rel(mine: torch.Tensor, ref: torch.Tensor) -> float:
-        return float((mine.double() - ref / 100).norm() / (ref / 100).norm())
-
-    errors = {}
-    for name in ("fused", "unfused"):
-        f, w = features.clone().requires_grad_(), weight.clone().requires_grad_()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            if name == "fused":
-                loss, _ = generator_loss(f, w, target, 0.1)
-            else:
-                loss, _ = label_smoothed_loss(torch.nn.functional.linear(f, w), target, 0.1)
-        (loss / 100).backward()
-        assert f.grad.dtype == w.grad.dtype == torch.float32
-        errors[name] = [abs(float(loss) - float(exact)) / float(exact),
-                        rel(f.grad, exact_f.grad), rel(w.grad, exact_w.grad)]
-    for fused, unfused in zip(errors["fused"], errors["unfused"], strict=True):
-        assert fused < 1.5 * unfused + 1e-6, errors
-    assert max(errors["fused"]) < 2e-2, errors
+    _assert_fused_bf16_as_accurate(
+        features, weight * 0.3,
+        exact=lambda f, w: label_smoothed_loss(f @ w.t(), target, 0.1)[0],
+        fused=lambda f, w: generator_loss(f, w, target, 0.1)[0],
+        unfused=lambda f, w: label_smoothed_loss(torch.nn.functional.linear(f, w),
+                                                 target, 0.1)[0],
+        scale=1 / 100)
 
 
 def test_fused_rdrop_loss_in_bf16_is_as_accurate_as_the_unfused_path():
     """The R-Drop gradient table is bf16 under autocast too; no further from float64 than
     the loss as written under the same autocast."""
     features, weight, target = _projection_case(torch.float32, vocab=3000, seed=1)
-    weight = weight * 0.3
     stacked = torch.cat([features, features + 0.3 * torch.randn_like(features)])
     targets = target.repeat(2, 1)
-    exact_f, exact_w = stacked.double().requires_grad_(), weight.double().requires_grad_()
-    exact, _ = _rdrop_loss_unfused(exact_f, exact_w, targets, 0.1, alpha=5.0)
-    exact.backward()
-
-    def rel(mine: torch.Tensor, ref: torch.Tensor) -> float:
-        return float((mine.double() - ref).norm() / ref.norm())
-
-    errors = {}
-    for name, fn in {"fused": rdrop_loss, "unfused": _rdrop_loss_unfused}.items():
-        f, w = stacked.clone().requires_grad_(), weight.clone().requires_grad_()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss, _ = fn(f, w, targets, 0.1, alpha=5.0)
-        loss.backward()
-        assert f.grad.dtype == w.grad.dtype == torch.float32
-        errors[name] = [abs(float(loss) - float(exact)) / float(exact),
-                        rel(f.grad, exact_f.grad), rel(w.grad, exact_w.grad)]
-    for fused, unfused in zip(errors["fused"], errors["unfused"], strict=True):
-        assert fused < 1.5 * unfused + 1e-6, errors
-    assert max(errors["fused"]) < 2e-2, errors
+    _assert_fused_bf16_as_accurate(
+        stacked, weight * 0.3,
+        exact=lambda f, w: _rdrop_loss_unfused(f, w, targets, 0.1, alpha=5.0)[0],
+        fused=lambda f, w: rdrop_loss(f, w, targets, 0.1, alpha=5.0)[0],
+        unfused=lambda f, w: _rdrop_loss_unfused(f, w, targets, 0.1, alpha=5.0)[0])

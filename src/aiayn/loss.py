@@ -12,6 +12,7 @@ passes over it).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -90,31 +91,47 @@ def generator_loss(features: Tensor, weight: Tensor, target: Tensor,
     device = features.device.type
     if device != "cpu":
         return label_smoothed_loss(F.linear(features, weight), target, eps_ls)
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) \
-        else features.dtype
-    flat = target.flatten()
-    rows = (flat != PAD_ID).nonzero().squeeze(1)
-    h = features.flatten(0, 1).index_select(0, rows)
-    t = flat.index_select(0, rows)
+    dtype = _compute_dtype(features)
+    h, t = _real_rows(features, target)
     with torch.autocast(device, enabled=False):
         if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
-            return _GeneratorLoss.apply(h, weight, t, eps_ls, dtype)
+            return _FusedProjectionLoss.apply(
+                h, weight, dtype, lambda table: _smoothed_ce_rows(table, t, eps_ls,
+                                                                  write_grad=True))
         logits = _project(h.to(dtype), weight.to(dtype))
         loss, nll = _smoothed_ce_rows(logits, t, eps_ls, write_grad=False)
         return loss, nll
 
 
-class _GeneratorLoss(torch.autograd.Function):
+def _compute_dtype(features: Tensor) -> torch.dtype:
+    """The projection's dtype: autocast's when it is on, as `nn.Linear` would run."""
+    device = features.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) \
+        else features.dtype
+
+
+def _real_rows(features: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
+    """The (N, D) features and (N,) targets of the non-pad target positions."""
+    flat = target.flatten()
+    rows = (flat != PAD_ID).nonzero().squeeze(1)
+    return features.flatten(0, 1).index_select(0, rows), flat.index_select(0, rows)
+
+
+class _FusedProjectionLoss(torch.autograd.Function):
     """Projection and loss of the real target tokens; the gradient table is made in the
-    forward pass (block by block, while the logits are in cache) and kept for backward."""
+    forward pass (block by block, while the logits are in cache) and kept for backward.
+
+    `rows_loss(table)` returns (loss, NLL) of the (N, V) logits table and leaves
+    d loss / d logits in it: `_smoothed_ce_rows` or `_rdrop_rows`.
+    """
 
     @staticmethod
-    def forward(ctx: Any, h: Tensor, weight: Tensor, target: Tensor, eps: float,
-                dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    def forward(ctx: Any, h: Tensor, weight: Tensor, dtype: torch.dtype,
+                rows_loss: Callable[[Tensor], tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
         hc, w = h.to(dtype), weight.to(dtype)
         table = _project(hc, w)
-        loss, nll = _smoothed_ce_rows(table, target, eps, write_grad=True)
-        ctx.save_for_backward(table, hc, w)  # table now holds softmax - q
+        loss, nll = rows_loss(table)
+        ctx.save_for_backward(table, hc, w)  # table now holds d loss / d logits
         ctx.dtypes = h.dtype, weight.dtype
         ctx.mark_non_differentiable(nll)
         return loss, nll
@@ -125,7 +142,7 @@ class _GeneratorLoss(torch.autograd.Function):
         h_dtype, w_dtype = ctx.dtypes
         gh = (grad @ w).to(h_dtype).mul_(grad_loss)
         gw = (grad.t() @ hc).to(w_dtype).mul_(grad_loss)
-        return gh, gw, None, None, None
+        return gh, gw, None, None
 
 
 def _project(h: Tensor, w: Tensor) -> Tensor:
@@ -198,14 +215,11 @@ def rdrop_loss(features: Tensor, weight: Tensor, target: Tensor, eps_ls: float,
     if device != "cpu" or not (torch.is_grad_enabled()
                                and (features.requires_grad or weight.requires_grad)):
         return _rdrop_loss_unfused(features, weight, target, eps_ls, alpha)
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) \
-        else features.dtype
-    flat = target.flatten()
-    rows = (flat != PAD_ID).nonzero().squeeze(1)
-    h = features.flatten(0, 1).index_select(0, rows)
-    t = flat.index_select(0, rows)
+    dtype = _compute_dtype(features)
+    h, t = _real_rows(features, target)
     with torch.autocast(device, enabled=False):
-        return _RDropLoss.apply(h, weight, t, eps_ls, alpha, dtype)
+        return _FusedProjectionLoss.apply(
+            h, weight, dtype, lambda table: _rdrop_rows(table, t, eps_ls, alpha))
 
 
 def _rdrop_loss_unfused(features: Tensor, weight: Tensor, target: Tensor, eps_ls: float,
@@ -225,39 +239,15 @@ def _rdrop_loss_unfused(features: Tensor, weight: Tensor, target: Tensor, eps_ls
     return loss / 2 + alpha / 4 * kl_both, nll / 2
 
 
-class _RDropLoss(torch.autograd.Function):
-    """`rdrop_loss` of the real rows h (2n, D) (row i of each half the same token), with
-    the gradient table made in the forward pass, block by block, as in `_GeneratorLoss`.
+def _rdrop_rows(table: Tensor, target: Tensor, eps: float,
+                alpha: float) -> tuple[Tensor, Tensor]:
+    """The R-Drop loss of a (2n, V) logits table, whose rows i and n + i are the two passes
+    of one token; the table ends holding d loss / d logits.
 
     With d = log p1 - log p2 and K = sum (p1 - p2) d, the gradients of K with respect to
     the two halves' logits are p1 (d - E_p1[d]) + p1 - p2 and p2 (E_p2[d] - d) + p2 - p1;
     the smoothed losses add (p - q) / 2 each. Tested against the unfused definition.
     """
-
-    @staticmethod
-    def forward(ctx: Any, h: Tensor, weight: Tensor, target: Tensor, eps: float,
-                alpha: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        hc, w = h.to(dtype), weight.to(dtype)
-        table = _project(hc, w)
-        loss, nll = _rdrop_rows(table, target, eps, alpha)
-        ctx.save_for_backward(table, hc, w)  # table now holds d loss / d logits
-        ctx.dtypes = h.dtype, weight.dtype
-        ctx.mark_non_differentiable(nll)
-        return loss, nll
-
-    @staticmethod
-    def backward(ctx: Any, grad_loss: Tensor, _grad_nll: Tensor) -> tuple[Any, ...]:
-        grad, hc, w = ctx.saved_tensors
-        h_dtype, w_dtype = ctx.dtypes
-        gh = (grad @ w).to(h_dtype).mul_(grad_loss)
-        gw = (grad.t() @ hc).to(w_dtype).mul_(grad_loss)
-        return gh, gw, None, None, None, None
-
-
-def _rdrop_rows(table: Tensor, target: Tensor, eps: float,
-                alpha: float) -> tuple[Tensor, Tensor]:
-    """The R-Drop loss of a (2n, V) logits table, whose rows i and n + i are the two passes
-    of one token; the table ends holding d loss / d logits."""
     n, vocab = table.size(0) // 2, table.size(1)
     acc = torch.promote_types(table.dtype, torch.float32)
     smoothed = torch.zeros((), dtype=acc)
