@@ -27,6 +27,23 @@ def _ptrs(base, b, h, sb, sh, st, r, rd):
 
 
 @triton.jit
+def _load_qkv(Q, K, V, sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, H, TQ, TK,
+              BQ: tl.constexpr, BK: tl.constexpr, D: tl.constexpr):
+    """This program's (sentence, head), its query, key and column ranges, and its Q, K
+    and V tiles (rows past TQ or TK read as 0)."""
+    pid = tl.program_id(0)
+    b = pid // H
+    h = pid % H
+    rq = tl.arange(0, BQ)
+    rk = tl.arange(0, BK)
+    rd = tl.arange(0, D)
+    q = tl.load(_ptrs(Q, b, h, sqb, sqh, sqt, rq, rd), mask=rq[:, None] < TQ, other=0.0)
+    k = tl.load(_ptrs(K, b, h, skb, skh, skt, rk, rd), mask=rk[:, None] < TK, other=0.0)
+    v = tl.load(_ptrs(V, b, h, svb, svh, svt, rk, rd), mask=rk[:, None] < TK, other=0.0)
+    return pid, b, h, rq, rk, rd, q, k, v
+
+
+@triton.jit
 def attn_fwd(Q, K, V, Out, LSE, KEEP,
              sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot, smb,
              H, TQ, TK, scale,
@@ -34,17 +51,9 @@ def attn_fwd(Q, K, V, Out, LSE, KEEP,
              BQ: tl.constexpr, BK: tl.constexpr, D: tl.constexpr):
     """One program per (sentence, head): O = softmax(Q K^T * scale) V, and the rows'
     log-sum-exp for the backward."""
-    pid = tl.program_id(0)
-    b = pid // H
-    h = pid % H
-    rq = tl.arange(0, BQ)
-    rk = tl.arange(0, BK)
-    rd = tl.arange(0, D)
+    pid, b, h, rq, rk, rd, q, k, v = _load_qkv(
+        Q, K, V, sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, H, TQ, TK, BQ, BK, D)
     qm = rq[:, None] < TQ
-    km = rk[:, None] < TK
-    q = tl.load(_ptrs(Q, b, h, sqb, sqh, sqt, rq, rd), mask=qm, other=0.0)
-    k = tl.load(_ptrs(K, b, h, skb, skh, skt, rk, rd), mask=km, other=0.0)
-    v = tl.load(_ptrs(V, b, h, svb, svh, svt, rk, rd), mask=km, other=0.0)
     s, valid = _scores(q, k, rq, rk, KEEP, b, smb, TQ, TK, scale, CAUSAL, HAS_MASK, PREC)
     m = tl.max(s, axis=1)
     m = tl.where(m == float("-inf"), 0.0, m)  # a row with no legal key: output 0
@@ -66,17 +75,10 @@ def attn_bwd(Q, K, V, Out, DO, LSE, KEEP, DQ, DK, DV,
              CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr,
              BQ: tl.constexpr, BK: tl.constexpr, D: tl.constexpr):
     """dQ, dK, dV of one (sentence, head), recomputing P from the saved log-sum-exp."""
-    pid = tl.program_id(0)
-    b = pid // H
-    h = pid % H
-    rq = tl.arange(0, BQ)
-    rk = tl.arange(0, BK)
-    rd = tl.arange(0, D)
+    pid, b, h, rq, rk, rd, q, k, v = _load_qkv(
+        Q, K, V, sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, H, TQ, TK, BQ, BK, D)
     qm = rq[:, None] < TQ
     km = rk[:, None] < TK
-    q = tl.load(_ptrs(Q, b, h, sqb, sqh, sqt, rq, rd), mask=qm, other=0.0)
-    k = tl.load(_ptrs(K, b, h, skb, skh, skt, rk, rd), mask=km, other=0.0)
-    v = tl.load(_ptrs(V, b, h, svb, svh, svt, rk, rd), mask=km, other=0.0)
     o = tl.load(_ptrs(Out, b, h, sob, soh, sot, rq, rd), mask=qm, other=0.0)
     do = tl.load(_ptrs(DO, b, h, sdb, sdh, sdt, rq, rd), mask=qm,
                  other=0.0)
