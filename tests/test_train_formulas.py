@@ -97,6 +97,12 @@ def _projection_case(dtype: torch.dtype = torch.float64, vocab: int = 2100, seed
     return features, weight, target
 
 
+def _second_pass(features: torch.Tensor) -> torch.Tensor:
+    """The R-Drop tests' second pass: the features moved by fixed noise (its "dropout")."""
+    g = torch.Generator().manual_seed(1)
+    return features + 0.3 * torch.randn(features.shape, dtype=features.dtype, generator=g)
+
+
 @pytest.mark.parametrize("eps", [0.0, 0.1])
 def test_fused_projection_and_loss_equal_the_definition(eps):
     """generator_loss(features, W) = label_smoothed_loss(features @ W^T): loss, NLL and the
@@ -122,7 +128,7 @@ def test_rdrop_loss_is_its_definition():
     """R-Drop on two different halves: the halves' mean smoothed loss plus alpha/4 x both
     KL directions, each written out as sum p (log p - log q) over the real tokens."""
     features, weight, target = _projection_case()
-    other = features + 0.3 * torch.randn_like(features)  # the second pass's "dropout"
+    other = _second_pass(features)
     stacked, targets = torch.cat([features, other]), target.repeat(2, 1)
     loss, nll = rdrop_loss(stacked, weight, targets, 0.1, alpha=5.0)
     ce1, nll1 = label_smoothed_loss(features @ weight.t(), target, 0.1)
@@ -158,7 +164,7 @@ def test_fused_rdrop_loss_has_the_definitions_value_and_gradients():
     """The CPU training path writes the R-Drop gradient out in closed form; on two
     different halves it must match autograd through the loss as written (float64)."""
     features, weight, target = _projection_case()
-    other = features + 0.3 * torch.randn_like(features)
+    other = _second_pass(features)
     targets = target.repeat(2, 1)
     f1, w1 = torch.cat([features, other]).requires_grad_(), weight.clone().requires_grad_()
     loss, nll = rdrop_loss(f1, w1, targets, 0.1, alpha=5.0)  # fused: gradients wanted
@@ -215,7 +221,7 @@ def test_fused_rdrop_loss_in_bf16_is_as_accurate_as_the_unfused_path():
     """The R-Drop gradient table is bf16 under autocast too; no further from float64 than
     the loss as written under the same autocast."""
     features, weight, target = _projection_case(torch.float32, vocab=3000, seed=1)
-    stacked = torch.cat([features, features + 0.3 * torch.randn_like(features)])
+    stacked = torch.cat([features, _second_pass(features)])
     targets = target.repeat(2, 1)
     _assert_fused_bf16_as_accurate(
         stacked, weight * 0.3,

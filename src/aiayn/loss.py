@@ -225,11 +225,9 @@ def rdrop_loss(features: Tensor, weight: Tensor, target: Tensor, eps_ls: float,
 def _rdrop_loss_unfused(features: Tensor, weight: Tensor, target: Tensor, eps_ls: float,
                         alpha: float) -> tuple[Tensor, Tensor]:
     """`rdrop_loss` as written: the projection, `label_smoothed_loss` and the KL terms."""
-    flat = target.flatten()
-    rows = (flat != PAD_ID).nonzero().squeeze(1)
-    half = rows.numel() // 2
-    logits = F.linear(features.flatten(0, 1).index_select(0, rows), weight)
-    t = flat.index_select(0, rows)
+    h, t = _real_rows(features, target)
+    half = t.numel() // 2
+    logits = F.linear(h, weight)
     loss, nll = label_smoothed_loss(logits.unsqueeze(0), t.unsqueeze(0), eps_ls)
     lprobs = F.log_softmax(logits, dim=-1,
                            dtype=torch.promote_types(logits.dtype, torch.float32))
