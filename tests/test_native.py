@@ -1,0 +1,181 @@
+"""The compiled beam step (native.lse_topk) against PyTorch in float64, and its fallbacks."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from aiayn import native, search
+from aiayn.search import NEVER_GENERATED
+
+needs_cc = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+
+
+def reference(x: torch.Tensor, k: int,
+              exclude: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The definition, in float64: logit - logsumexp(all logits) for the k best logits
+    outside `exclude`."""
+    x64 = x.double()
+    lse = torch.logsumexp(x64, dim=1, keepdim=True)
+    masked = x64.clone()
+    masked[:, list(exclude)] = float("-inf")
+    top, idx = masked.topk(k, dim=1)
+    return top - lse, idx
+
+
+@needs_cc
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape,k", [((37, 10_000), 4), ((5, 8_000), 10), ((64, 1_000), 1),
+                                     ((3, 70), 5), ((2, 9), 3)])
+def test_matches_the_definition(dtype: torch.dtype, shape: tuple[int, int], k: int) -> None:
+    g = torch.Generator().manual_seed(sum(shape) + k)
+    # a spread like a trained model's logits: a few large values over a broad tail
+    x = (torch.randn(shape, generator=g) * 4).to(dtype)
+    exclude = (0, 2)
+    got = native.lse_topk(x, k, exclude)
+    assert got is not None
+    val, idx = got
+    want_val, _ = reference(x, k, exclude)
+    assert val.dtype == torch.float32 and idx.dtype == torch.int64
+    # within ~3 float32 ulps of the row's log-sum-exp (~18 here); PyTorch's own float32
+    # path: within ~1e-6
+    torch.testing.assert_close(val.double(), want_val, atol=5e-6, rtol=0)
+    # the columns hold those values (bf16 tables have ties, so compare values, not columns)
+    picked = x.double().gather(1, idx) - torch.logsumexp(x.double(), 1, keepdim=True)
+    torch.testing.assert_close(picked, want_val, atol=0, rtol=0)
+    assert not torch.isin(idx, torch.tensor(exclude)).any()
+    assert (val[:, :-1] >= val[:, 1:]).all()  # best first
+
+
+@needs_cc
+def test_same_columns_as_topk_without_ties_and_lowest_column_among_ties() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(50, 3_000, generator=g)  # float32: no ties
+    val, idx = native.lse_topk(x, 6, ())  # type: ignore[misc]
+    assert torch.equal(idx, x.topk(6, dim=1).indices)
+    ties = torch.zeros(2, 200)
+    ties[:, [7, 100, 150]] = 1.0
+    _, idx = native.lse_topk(ties, 4, ())  # type: ignore[misc]
+    assert idx.tolist() == [[7, 100, 150, 0]] * 2
+
+
+@needs_cc
+def test_excluded_columns_count_in_the_normaliser_only() -> None:
+    x = torch.full((1, 100), -5.0)
+    x[0, 0] = 10.0  # never chosen, yet most of the probability mass
+    x[0, 42] = 3.0
+    val, idx = native.lse_topk(x, 1, (0,))  # type: ignore[misc]
+    assert idx.item() == 42
+    assert val.item() == pytest.approx(3.0 - torch.logsumexp(x.double(), 1).item(), abs=1e-6)
+
+
+@needs_cc
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_do_not_depend_on_the_batch_or_the_thread_split(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(200, 5_000, generator=g) * 3).to(dtype)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)  # rows split between two threads
+        both = native.lse_topk(x, 4, (0, 2))
+        torch.set_num_threads(1)
+        one = native.lse_topk(x, 4, (0, 2))
+        alone = [native.lse_topk(x[i:i + 1], 4, (0, 2)) for i in (0, 99, 100, 199)]
+    finally:
+        torch.set_num_threads(threads)
+    assert both is not None and one is not None
+    assert torch.equal(both[0], one[0]) and torch.equal(both[1], one[1])
+    for i, row in zip((0, 99, 100, 199), alone, strict=True):
+        assert row is not None
+        assert torch.equal(row[0][0], one[0][i]) and torch.equal(row[1][0], one[1][i])
+
+
+@needs_cc
+def test_strided_rows() -> None:
+    """A (R, V) view of a wider table (row stride > V), as a slice of logits would be."""
+    g = torch.Generator().manual_seed(2)
+    wide = torch.randn(8, 700, generator=g)
+    x = wide[:, :600]
+    val, idx = native.lse_topk(x, 3, ())  # type: ignore[misc]
+    want_val, want_idx = reference(x.contiguous(), 3, ())
+    torch.testing.assert_close(val.double(), want_val, atol=5e-6, rtol=0)
+    assert torch.equal(idx, want_idx)
+
+
+def test_does_not_apply_where_the_c_code_cannot() -> None:
+    x = torch.randn(4, 100)
+    assert native.lse_topk(x.t(), 2, ()) is None  # columns not contiguous
+    assert native.lse_topk(x.half(), 2, ()) is None  # float16
+    assert native.lse_topk(x[:, :3], 2, (0, 1)) is None  # fewer than k eligible columns
+    assert native.lse_topk(x.double(), 2, ()) is None
+
+
+@pytest.fixture
+def fresh_library(monkeypatch: pytest.MonkeyPatch, tmp_path):  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("AIAYN_CACHE_DIR", str(tmp_path))
+    native.library.cache_clear()
+    yield tmp_path
+    native.library.cache_clear()
+
+
+@needs_cc
+def test_built_once_into_the_cache_dir(fresh_library) -> None:  # type: ignore[no-untyped-def]
+    assert native.library() is not None
+    (built,) = fresh_library.glob("beam_step-*.so")
+    stamp = built.stat().st_mtime_ns
+    native.library.cache_clear()
+    assert native.library() is not None
+    assert built.stat().st_mtime_ns == stamp  # loaded, not rebuilt
+    assert list(fresh_library.glob("*.so")) == [built]  # no temporary file left
+
+
+def test_falls_back_without_a_compiler_or_when_told(fresh_library, monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    assert native.library() is None
+    assert "failed" in caplog.text
+    assert native.lse_topk(torch.randn(2, 100), 2, ()) is None
+    assert not list(fresh_library.glob("*.so"))
+    native.library.cache_clear()
+    monkeypatch.setenv("CC", "no-such-compiler-aiayn")
+    assert native.library() is None
+    native.library.cache_clear()
+    monkeypatch.delenv("CC")
+    monkeypatch.setenv("AIAYN_NO_NATIVE", "1")
+    assert native.library() is None
+
+
+class _Fixed:
+    """A decoder whose next-token logits are a fixed table (only decode_step is used)."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        self.logits = logits
+
+    def decode_step(self, tokens, src_mask, states):  # type: ignore[no-untyped-def]
+        return self.logits.clone()
+
+
+@needs_cc
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_best_next_tokens_same_either_way(dtype: torch.dtype, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(3)
+    model = _Fixed((torch.randn(32, 2_000, generator=g) * 4).to(dtype))
+    fast = search.best_next_tokens(model, None, None, None, 5)  # type: ignore[arg-type]
+    monkeypatch.setattr(native, "lse_topk", lambda *a, **kw: None)
+    slow = search.best_next_tokens(model, None, None, None, 5)  # type: ignore[arg-type]
+    torch.testing.assert_close(fast[0], slow[0], atol=5e-6, rtol=0)
+    same_value = model.logits.float().gather(1, fast[1]) == model.logits.float().gather(1, slow[1])
+    assert same_value.all()
+    assert not torch.isin(fast[1], torch.tensor(sorted(NEVER_GENERATED))).any()
+
+
+@needs_cc
+def test_a_damaged_cached_library_is_built_again(fresh_library) -> None:  # type: ignore[no-untyped-def]
+    assert native.library() is not None
+    (built,) = fresh_library.glob("beam_step-*.so")
+    built.unlink()  # a new file: this process still maps the old one
+    built.write_bytes(b"not a shared object")
+    native.library.cache_clear()
+    assert native.library() is not None
+    assert native.lse_topk(torch.randn(2, 100), 2, ()) is not None
