@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from aiayn import native
 from aiayn.bench import bench_decode, bench_train, random_batch
 from aiayn.config import EOS_ID, PAD_ID, ModelConfig
 from aiayn.flops import forward_flops, training_flops
@@ -50,6 +51,7 @@ def test_bench_train_and_decode_report_the_protocol_fields():
     assert train["tokens_per_s"] > 0 and train["model_tflops"] > 0 and train["max_rss_gib"] > 0
     decode = bench_decode("tiny", "fp32", beam=2, out_len=5, sentences=6, batch=4, vocab=200)
     assert decode["sentences_per_s"] > 0 and decode["sentences"] == 6
+    assert decode["native_beam_step"] == (native.library() is not None)
 
 
 def test_compare_table_ratios_use_each_peers_best_round():

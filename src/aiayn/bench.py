@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from aiayn import native
 from aiayn.config import BOS_ID, EOS_ID, PAD_ID, get_preset
 from aiayn.flops import forward_flops, matmul_peak, peak_size, training_flops
 from aiayn.model import Transformer
@@ -220,6 +221,8 @@ def bench_decode(preset: str = "base", dtype: str = "fp32", device: str = "cpu",
     result = {"bench": "decode", "preset": preset, "dtype": dtype, "device": device,
               "beam": beam, "alpha": alpha, "out_len": out_len, "sentences": sentences,
               "workers": workers,
+              # the beam step's compiled normaliser and top-k (aiayn/native.py) in use
+              "native_beam_step": beam > 1 and dev.type == "cpu" and native.library() is not None,
               "batch_sentences": batch, "seconds": t, "sentences_per_s": sentences / t,
               "model_tflops": flops / t / 1e12, "max_rss_gib": max_rss_gib()}
     if p is not None:
