@@ -103,9 +103,9 @@ def library() -> ctypes.CDLL | None:
             _build(compiler, path)
             lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", "") or str(e)
+        lines = (getattr(e, "stderr", None) or str(e)).strip().splitlines()
         logger.warning("building %s failed (%s): beam search normalises with PyTorch ops",
-                       SOURCE.name, detail.strip().splitlines()[-1:] or e)
+                       SOURCE.name, lines[-1] if lines else type(e).__name__)
         return None
     for name in ("aiayn_lse_topk_bf16", "aiayn_lse_topk_f32"):
         getattr(lib, name).argtypes = _ARGS
