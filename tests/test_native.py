@@ -13,6 +13,18 @@ from aiayn.search import NEVER_GENERATED
 needs_cc = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _own_cache_dir(tmp_path_factory):  # type: ignore[no-untyped-def]
+    """Build into a directory of this module's own: neither a stale nor an unwritable
+    user cache can decide these tests."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("AIAYN_CACHE_DIR", str(tmp_path_factory.mktemp("native-cache")))
+    native.library.cache_clear()
+    yield
+    mp.undo()
+    native.library.cache_clear()
+
+
 def reference(x: torch.Tensor, k: int,
               exclude: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """The definition, in float64: logit - logsumexp(all logits) for the k best logits
