@@ -125,6 +125,13 @@ def _helper() -> ThreadPoolExecutor:
     return _helper_of[1]
 
 
+@functools.cache
+def _columns(exclude: tuple[int, ...], v: int) -> Tensor:
+    """The excluded columns inside the table, as the C code takes them (made once, not
+    every decoding step)."""
+    return torch.tensor(sorted({c for c in exclude if 0 <= c < v}), dtype=torch.int64)
+
+
 def lse_topk(logits: Tensor, k: int, exclude: tuple[int, ...]) -> tuple[Tensor, Tensor] | None:
     """Each row's k largest logits outside the columns `exclude`, minus the row's
     log-sum-exp over all columns, largest first, and their columns: (R, k) float32 and
@@ -136,15 +143,16 @@ def lse_topk(logits: Tensor, k: int, exclude: tuple[int, ...]) -> tuple[Tensor, 
     between this thread and one helper thread (ctypes releases the GIL while C runs).
     """
     if (logits.device.type != "cpu" or logits.dim() != 2
-            or logits.dtype not in (torch.bfloat16, torch.float32)
-            or logits.stride(1) != 1 or logits.size(1) - len(set(exclude)) < k or k < 1):
+            or logits.dtype not in (torch.bfloat16, torch.float32) or logits.stride(1) != 1):
+        return None
+    r, v = logits.shape
+    excl = _columns(exclude, v)
+    if v - len(excl) < k or k < 1:
         return None
     lib = library()
     if lib is None:
         return None
-    r, v = logits.shape
     fn = lib.aiayn_lse_topk_bf16 if logits.dtype == torch.bfloat16 else lib.aiayn_lse_topk_f32
-    excl = torch.tensor(sorted({c for c in exclude if 0 <= c < v}), dtype=torch.int64)
     val = torch.empty(r, k, dtype=torch.float32)
     idx = torch.empty(r, k, dtype=torch.int64)
     parts = 2 if torch.get_num_threads() > 1 and r >= 2 * MIN_ROWS_PER_THREAD else 1
