@@ -190,6 +190,21 @@ def test_translation_order_survives_length_sorted_batching(pipeline: Pipeline) -
 
 @pytest.mark.rows("H2")
 @needs_multi30k
+def test_several_checkpoints_translate_as_an_ensemble(pipeline: Pipeline) -> None:
+    """`--checkpoint A B` decodes with the mean of the models' distributions: two copies
+    of one model translate as it does; two different checkpoints give every line too."""
+    src = pipeline.root / "source.en"
+    twice, pair = pipeline.root / "twice.de", pipeline.root / "pair.de"
+    ok("translate", "--checkpoint", pipeline.averaged, pipeline.averaged, "--input", src,
+       "--output", twice)
+    assert twice.read_text(encoding="utf-8").split("\n") == pipeline.output
+    ok("translate", "--checkpoint", pipeline.averaged, "--checkpoint",
+       pipeline.run_dir / "checkpoint_20.pt", "--input", src, "--output", pair)
+    lines = pair.read_text(encoding="utf-8").split("\n")
+    assert len(lines) == len(pipeline.output) and lines[EMPTY_AT] == ""
+
+
+@needs_multi30k
 def test_evaluate_json_has_bleu_with_signature(pipeline: Pipeline) -> None:
     """Section 6.1 / RELIABILITY H2: BLEU and chrF, each with its sacrebleu signature."""
     s = pipeline.scores

@@ -252,6 +252,31 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
     return model.to(device).eval(), tokenizer, cfg
 
 
+def load_ensemble(paths: Sequence[str | Path], device: str | torch.device = "cpu",
+                  ) -> tuple[list[Transformer], Tokenizer, Config]:
+    """The models of several checkpoints that can decode as one (`aiayn.ensemble`), their
+    shared vocabulary, and the first one's config (its decoding options).
+
+    Raises:
+        CheckpointError naming the files: see load_model; also members whose vocabularies
+            differ (their token ids would not mean the same subwords).
+    """
+    if not paths:
+        raise CheckpointError("no checkpoint given")
+    models, tokenizer, cfg = [], None, None
+    for path in paths:
+        model, tok, c = load_model(path, device)
+        if tokenizer is None:
+            tokenizer, cfg = tok, c
+        elif tok.sha256 != tokenizer.sha256:
+            raise CheckpointError(f"{path}: its vocabulary (sha256 {tok.sha256[:12]}...) "
+                                  f"differs from {paths[0]}'s ({tokenizer.sha256[:12]}...): "
+                                  "an ensemble's members must share one vocabulary")
+        models.append(model)
+    assert tokenizer is not None and cfg is not None
+    return models, tokenizer, cfg
+
+
 # --------------------------------------------------------------------------- run directory
 def check_run_dir(run_dir: str | Path) -> Path:
     """Create `run_dir` if missing and prove it writable, before any training (A9).

@@ -155,11 +155,14 @@ def cmd_average(args: argparse.Namespace) -> int:
 
 
 def cmd_translate(args: argparse.Namespace) -> int:
-    from aiayn.checkpoint import load_model
+    from aiayn.checkpoint import load_ensemble
+    from aiayn.ensemble import Ensemble
     from aiayn.translate import cast_for_inference, translate_file
 
-    model, tokenizer, cfg = load_model(Path(args.checkpoint), device=args.device)
-    model = cast_for_inference(model, args.dtype)
+    models, tokenizer, cfg = load_ensemble([Path(p) for p in args.checkpoint],
+                                           device=args.device)
+    models = [cast_for_inference(m, args.dtype) for m in models]
+    model = models[0] if len(models) == 1 else Ensemble(models)
     overrides: dict[str, Any] = {}
     for flag in ("beam", "alpha", "max_len_a", "max_len_b", "nbest", "max_tokens"):
         if getattr(args, flag) is not None:
@@ -323,7 +326,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_average)
 
     p = sub.add_parser("translate", help="beam search translation of a file or stdin")
-    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--checkpoint", required=True, nargs="+", action="extend",
+                   help="a model; several (same vocabulary) decode as an ensemble: the "
+                        "mean of their next-token probabilities, the first one's decoding "
+                        "options")
     p.add_argument("--input", help="default: stdin")
     p.add_argument("--output", help="default: stdout")
     p.add_argument("--beam", type=int)

@@ -36,6 +36,7 @@ from torch import Tensor, nn
 
 from aiayn.batching import decode_batches
 from aiayn.config import EOS_ID, PAD_ID, UNK_ID, DecodeConfig
+from aiayn.ensemble import Ensemble
 from aiayn.files import atomic_write, open_bytes
 from aiayn.flops import slow_bf16_warning
 from aiayn.model import Transformer, onednn_bf16
@@ -46,6 +47,9 @@ logger = logging.getLogger(__name__)
 
 #: Individual warnings for truncated lines; later ones are only counted.
 MAX_LINE_WARNINGS = 10
+
+#: What translates: one model, or several as an ensemble (`aiayn.ensemble`).
+Decoder = Transformer | Ensemble
 
 
 class SubwordTokenizer(Protocol):
@@ -222,7 +226,7 @@ def pad_batch(sequences: Sequence[list[int]], device: str | torch.device) -> Ten
 
 
 # ------------------------------------------------------------------------- translating
-def _input_limit(model: Transformer, cfg: DecodeConfig) -> int:
+def _input_limit(model: Decoder, cfg: DecodeConfig) -> int:
     """Longest source in subwords: max_input_len, and room for EOS in the position table."""
     limit = position_limit(model)
     return cfg.max_input_len if limit is None else min(cfg.max_input_len, limit - 1)
@@ -234,14 +238,14 @@ def _to_translations(tokenizer: SubwordTokenizer, hyps: list[Hypothesis]) -> lis
                         h.score) for h in hyps]
 
 
-def translate_nbest(model: Transformer, tokenizer: SubwordTokenizer, lines: Sequence[str],
+def translate_nbest(model: Decoder, tokenizer: SubwordTokenizer, lines: Sequence[str],
                     cfg: DecodeConfig, device: str | torch.device = "cpu",
                     progress: Callable[[int], None] | None = None, workers: int = 1,
                     ) -> tuple[list[list[Translation]], TranslateStats]:
     """Translate lines with beam search; each line gets its `cfg.nbest` best outputs.
 
     Args:
-        model: a `Transformer` on `device`; it is put in eval mode.
+        model: a `Transformer` on `device`, or an `Ensemble` of them; put in eval mode.
         lines: input sentences; blank ones give [] and are not fed to the model.
         cfg: beam, alpha, length cap, nbest, batch size (max_tokens), max_input_len.
         progress: called with the number of lines finished after each batch.
@@ -280,7 +284,7 @@ def translate_nbest(model: Transformer, tokenizer: SubwordTokenizer, lines: Sequ
     return results, stats
 
 
-def translate_lines(model: Transformer, tokenizer: SubwordTokenizer, lines: Sequence[str],
+def translate_lines(model: Decoder, tokenizer: SubwordTokenizer, lines: Sequence[str],
                     cfg: DecodeConfig, device: str | torch.device = "cpu",
                     progress: Callable[[int], None] | None = None,
                     workers: int = 1) -> list[str]:
@@ -339,7 +343,7 @@ def format_output(i: int, outputs: list[Translation], nbest: int) -> str:
     return "".join(f"{i} ||| {t.text} ||| {t.score:.6f}\n" for t in outputs)
 
 
-def translate_file(model: Transformer, tokenizer: SubwordTokenizer, input_path: str | Path | None,
+def translate_file(model: Decoder, tokenizer: SubwordTokenizer, input_path: str | Path | None,
                    output_path: str | Path | None, cfg: DecodeConfig,
                    device: str | torch.device = "cpu",
                    progress: Callable[[int], None] | None = None,
