@@ -229,3 +229,55 @@ def test_recipe_reruns_reproduce_the_same_model_and_scores(tmp_path, monkeypatch
     assert hyps[0] == hyps[1]
     wa, wb = (torch.load(r / "checkpoint_avg.pt", weights_only=False)["model"] for r in runs)
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.mark.skipif(not MULTI30K.is_dir(), reason="needs ../shared/data/multi30k")
+def test_ensemble_recipe_trains_members_side_by_side_and_decodes_them_together(
+        tmp_path, monkeypatch, capsys):
+    """recipe.ensemble = 2: two runs (seeds 1 and 2) trained at once in their own
+    processes, each averaged; the test set is translated by their ensemble, as
+    `aiayn translate --checkpoint A B` translates it, and by each member alone. Member 1
+    is the run that seed 1 gives alone on one thread."""
+    monkeypatch.setenv("AIAYN_NO_MALLOC_TUNING", "1")
+    config = str(ROOT / "configs" / "multi30k-en-de.toml")
+
+    def recipe(out: Path, *extra: str) -> list[str]:
+        args = ["recipe", config, "--data", str(MULTI30K), "--out", str(out), "--no-progress"]
+        for item in [*SMALL, *extra]:
+            args += ["--set", item]
+        return args
+
+    out = tmp_path / "ens"
+    assert main(recipe(out, "recipe.ensemble=2")) == 0
+    printed = capsys.readouterr().out
+    results = json.loads((out / "results.json").read_text())
+    assert results["ensemble"] == 2 and "an ensemble of 2 models" in printed
+    members = results["train"]["members"]
+    assert [(m["run"], m["seed"], m["steps"]) for m in members] == [("member1", 1, 12),
+                                                                     ("member2", 2, 12)]
+    for m in members:
+        run = out / m["run"]
+        saved = json.loads((run / "config.json").read_text())
+        assert saved["train"]["seed"] == m["seed"] and (run / "checkpoint_avg.pt").is_file()
+        assert m["scores"]["n_lines"] == 12 and f"{m['run']} (seed {m['seed']}) alone" in printed
+    assert results["train"]["tokens"] == sum(m["tokens"] for m in members)
+
+    test_src = out / "data" / "test_2016_flickr.first12.en"
+    by_cli = tmp_path / "cli.de"
+    assert main(["translate", "--checkpoint", str(out / "member1" / "checkpoint_avg.pt"),
+                 str(out / "member2" / "checkpoint_avg.pt"), "--input", str(test_src),
+                 "--output", str(by_cli), "--alpha", str(results["config"]["decode"]["alpha"]),
+                 "--no-progress"]) == 0
+    hyp = (out / "test_2016_flickr.en-de.hyp").read_text(encoding="utf-8")
+    assert hyp.count("\n") == 12 and by_cli.read_text(encoding="utf-8") == hyp
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert main(recipe(tmp_path / "alone")) == 0
+    finally:
+        torch.set_num_threads(threads)
+    logs = [(r / "train_log.jsonl").read_text().splitlines()
+            for r in (out / "member1", tmp_path / "alone")]
+    losses = [[json.loads(x).get("loss") for x in log] for log in logs]
+    assert len([x for x in losses[0] if x is not None]) == 6 and losses[0] == losses[1]

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import json
 import logging
+import multiprocessing as mp
 import platform
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, fields, replace
@@ -41,8 +43,8 @@ from aiayn.files import sha256_file, write_text_atomic
 from aiayn.train import Hooks
 
 if TYPE_CHECKING:
-    from aiayn.model import Transformer
-    from aiayn.translate import SubwordTokenizer
+    from aiayn.train import TrainResult
+    from aiayn.translate import Decoder, SubwordTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +73,12 @@ class RecipeConfig:
     # input it translates. Off by default: the translations then have no capitals, and
     # sacreBLEU is computed against lowercased references.
     lowercase: bool = False
+    # Beyond the paper (its rows are single models): train this many models at once, seeds
+    # train.seed, train.seed + 1, ..., each in its own process on an equal share of the
+    # CPU threads, each averaged, and translate with their ensemble (`aiayn.ensemble`: the
+    # mean of their next-token probabilities). The run directory then holds member1/ ...
+    # memberK/, each a training run of its own. 1: one model, the paper's recipe.
+    ensemble: int = 1
 
 
 def parse_recipe(table: dict[str, Any], where: str) -> RecipeConfig:
@@ -94,9 +102,10 @@ def parse_recipe(table: dict[str, Any], where: str) -> RecipeConfig:
     if recipe.dataset != "multi30k":
         raise ConfigError(f"{where}: recipe.dataset must be 'multi30k', got {recipe.dataset!r}")
     if (recipe.average_last < 1 or recipe.vocab_size < 10 or recipe.max_train_pairs < 0
-            or recipe.max_test_pairs < 0):
+            or recipe.max_test_pairs < 0 or recipe.ensemble < 1):
         raise ConfigError(f"{where}: recipe.average_last >= 1, vocab_size >= 10, "
-                          "max_train_pairs >= 0 and max_test_pairs >= 0 are required")
+                          "max_train_pairs >= 0, max_test_pairs >= 0 and ensemble >= 1 "
+                          "are required")
     return recipe
 
 
@@ -209,6 +218,116 @@ def _cpuinfo(field: str) -> str:
     return ""
 
 
+# --------------------------------------------------------------------------- ensemble members
+def train_summary(result: TrainResult) -> dict[str, Any]:
+    """What the manifest keeps of one training run."""
+    from aiayn.curves import read_log
+
+    state = result.state
+    return {"steps": state.step, "epochs": state.epoch, "tokens": state.tokens_seen,
+            "train_seconds": state.train_seconds, "stopped_by": result.stopped_by,
+            "best_valid_nll": state.best_valid_nll, "flops": state.flops,
+            "last_valid": next((h for h in reversed(read_log(result.run_dir))
+                                if "valid_nll" in h), None)}
+
+
+#: What a member process leaves in its run directory for the recipe.
+MEMBER_RESULT = "member_result.json"
+
+
+def _train_member(cfg: Config, data_dir: Path, run_dir: Path, device: str, threads: int,
+                  log_level: int) -> None:
+    """One ensemble member, in a process of its own (the entry point of `train_members`)."""
+    from aiayn.train import train
+
+    torch.set_num_threads(threads)
+    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s {run_dir.name} "
+                                                "%(name)s: %(message)s")
+    result = train(cfg, data_dir, run_dir, device=device)
+    write_text_atomic(run_dir / MEMBER_RESULT, json.dumps(train_summary(result)) + "\n")
+
+
+class _LogFollower:
+    """Feeds the new records of a run's train_log.jsonl to the CLI's progress hooks."""
+
+    def __init__(self, run_dir: Path, hooks: Hooks | None) -> None:
+        self.path, self.hooks, self.offset = run_dir / "train_log.jsonl", hooks, 0
+
+    def poll(self) -> None:
+        if self.hooks is None or not self.path.exists():
+            return
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        done = data.rfind(b"\n") + 1  # whole lines only: the writer may be mid-line
+        self.offset += done
+        for line in data[:done].decode("utf-8").splitlines():
+            record = json.loads(line) if line.strip() else {}
+            if "loss" in record and self.hooks.on_step is not None:
+                self.hooks.on_step(record["step"], record)
+            elif "valid_nll" in record and self.hooks.on_valid is not None:
+                self.hooks.on_valid(record["step"], record)
+
+
+def train_members(cfg: Config, data_dir: Path, out: Path, k: int, *, device: str = "cpu",
+                  hooks: Hooks | None = None) -> list[dict[str, Any]]:
+    """Train k models of `cfg` at once into out/member1 ... out/memberK, with seeds
+    train.seed, train.seed + 1, ..., each in a spawned process with 1/k of this process's
+    threads (on a 2-core CPU two one-thread runs did 1.37x the steps of one two-thread run
+    in the same time: docs/results.md). Each member is an ordinary run directory, so a
+    rerun resumes every member. SIGTERM is passed on to the members, which save and stop
+    (as `aiayn train` does); Ctrl-C reaches them directly. The progress hooks follow
+    member 1.
+
+    Returns:
+        Each member's `train_summary`.
+    Raises:
+        TrainingError naming the members whose process failed (their errors are logged).
+    """
+    from aiayn.train import TrainingError
+
+    threads = max(1, torch.get_num_threads() // k)
+    ctx = mp.get_context("spawn")  # a fresh interpreter: no forked thread pools
+    dirs = [out / f"member{i + 1}" for i in range(k)]
+    procs = []
+    for i, run_dir in enumerate(dirs):
+        (run_dir / MEMBER_RESULT).unlink(missing_ok=True)
+        member_cfg = apply_overrides(cfg, {"train.seed": cfg.train.seed + i})
+        proc = ctx.Process(target=_train_member, name=f"aiayn-{run_dir.name}", daemon=True,
+                           args=(member_cfg, data_dir, run_dir, device, threads,
+                                 logging.getLogger().getEffectiveLevel()))
+        proc.start()
+        procs.append(proc)
+    log.info("training %d ensemble members at once (%s), %d thread(s) each", k,
+             ", ".join(f"{d.name}: seed {cfg.train.seed + i}" for i, d in enumerate(dirs)),
+             threads)
+
+    def forward(signum: int, frame: Any) -> None:
+        for proc in procs:
+            if proc.is_alive():
+                proc.terminate()  # SIGTERM: the member saves a checkpoint and stops
+
+    old = signal.signal(signal.SIGTERM, forward)
+    follow = _LogFollower(dirs[0], hooks)
+    try:
+        while any(proc.is_alive() for proc in procs):
+            procs[0].join(timeout=2) if procs[0].is_alive() else time.sleep(2)
+            follow.poll()
+    except KeyboardInterrupt:
+        for proc in procs:  # the same Ctrl-C reached them: let them save
+            proc.join()
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    follow.poll()
+    failed = [f"{d} (exit code {p.exitcode})" for d, p in zip(dirs, procs, strict=True)
+              if p.exitcode != 0 or not (d / MEMBER_RESULT).exists()]
+    if failed:
+        raise TrainingError(f"ensemble member training failed: {', '.join(failed)}; its "
+                            "error is logged above; rerunning the recipe resumes each member")
+    return [json.loads((d / MEMBER_RESULT).read_text(encoding="utf-8")) for d in dirs]
+
+
 def run_recipe(path: str | Path, out: str | Path, *, data: str | Path | None = None,
                device: str = "cpu", overrides: dict[str, Any] | None = None,
                hooks: Hooks | None = None) -> dict[str, Any]:
@@ -228,12 +347,13 @@ def run_recipe(path: str | Path, out: str | Path, *, data: str | Path | None = N
     from aiayn.checkpoint import (
         average_checkpoints,
         list_last,
-        load_model,
+        load_ensemble,
         save_checkpoint_file,
     )
-    from aiayn.curves import plot_curves, read_log
+    from aiayn.curves import plot_curves
     from aiayn.data import find_input, prepare
     from aiayn.download import download_multi30k
+    from aiayn.ensemble import Ensemble
     from aiayn.evaluate import score_files
     from aiayn.flops import cpu_matmul_rates, matmul_peak, slow_bf16_warning
     from aiayn.train import train
@@ -277,13 +397,24 @@ def run_recipe(path: str | Path, out: str | Path, *, data: str | Path | None = N
     else:
         peak = matmul_peak(peak_dtype, device=device)
     t0 = time.perf_counter()
-    result = train(cfg, prepared, out, device=device, hooks=hooks)
+    if recipe.ensemble == 1:
+        runs = [out]
+        trained = [train_summary(train(cfg, prepared, out, device=device, hooks=hooks))]
+    else:
+        runs = [out / f"member{i + 1}" for i in range(recipe.ensemble)]
+        trained = train_members(cfg, prepared, out, recipe.ensemble, device=device,
+                                hooks=hooks)
     wall["train_s"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    paths = list_last(out, recipe.average_last, strict=False)
-    save_checkpoint_file(out / "checkpoint_avg.pt", average_checkpoints(paths))
-    model, tokenizer, avg_cfg = load_model(out / "checkpoint_avg.pt", device=device)
+    averaged = []
+    for run in runs:
+        paths = list_last(run, recipe.average_last, strict=False)
+        save_checkpoint_file(run / "checkpoint_avg.pt", average_checkpoints(paths))
+        averaged.append([p.name for p in paths])
+    models, tokenizer, avg_cfg = load_ensemble([run / "checkpoint_avg.pt" for run in runs],
+                                               device=device)
+    model = models[0] if len(models) == 1 else Ensemble(models)
     wall["average_s"] = time.perf_counter() - t0
 
     decode, tuning = cfg.decode, None
@@ -302,22 +433,35 @@ def run_recipe(path: str | Path, out: str | Path, *, data: str | Path | None = N
     wall["translate_s"] = time.perf_counter() - t0
     scores = score_files(hyp, test_ref, tgt)
 
-    state = result.state
+    train_record = {k: v for k, v in trained[0].items() if k != "flops"}
+    flops = sum(t["flops"] for t in trained)
+    if len(runs) > 1:
+        # the members' own test scores, at the same settings: what the ensemble adds
+        t0 = time.perf_counter()
+        members = []
+        for i, (run, member, t) in enumerate(zip(runs, models, trained, strict=True)):
+            member_hyp = run / hyp.name
+            translate_file(member, tokenizer, test_src, member_hyp, decode, device=device)
+            members.append({"run": run.name, "seed": cfg.train.seed + i, **t,
+                            "averaged": averaged[i],
+                            "scores": score_files(member_hyp, test_ref, tgt).to_dict()})
+        wall["translate_members_s"] = time.perf_counter() - t0
+        # trained side by side: the stage's time is the longest member's, the tokens add up
+        train_record.update(train_seconds=max(t["train_seconds"] for t in trained),
+                            tokens=sum(t["tokens"] for t in trained), members=members)
+    train_seconds = train_record["train_seconds"]
     results = {
         "experiment": str(path), "test_split": recipe.test_split, "pair": f"{src}-{tgt}",
         "scores": scores.to_dict(),
-        "averaged": [p.name for p in paths],
-        "train": {"steps": state.step, "epochs": state.epoch, "tokens": state.tokens_seen,
-                  "train_seconds": state.train_seconds, "stopped_by": result.stopped_by,
-                  "best_valid_nll": state.best_valid_nll,
-                  "last_valid": next((h for h in reversed(read_log(out)) if "valid_nll" in h),
-                                     None)},
-        "flops": {"counted_from_model": state.flops,
-                  "estimated_time_x_devices_x_peak": state.train_seconds * peak,
+        "averaged": averaged[0],
+        "train": train_record,
+        "flops": {"counted_from_model": flops,
+                  "estimated_time_x_devices_x_peak": train_seconds * peak,
                   "sustained_peak_flop_s": peak, "peak_dtype": str(peak_dtype),
-                  "model_flop_s": state.flops / max(state.train_seconds, 1e-9)},
+                  "model_flop_s": flops / max(train_seconds, 1e-9)},
         "wall_seconds": wall, "translate": summary, "alpha_tuning": tuning,
-        "parameters": sum(p.numel() for p in model.parameters()),
+        "parameters": sum(p.numel() for p in models[0].parameters()),
+        "ensemble": len(models),
         "seed": cfg.train.seed, "recipe": asdict(recipe),
         # the decode settings the test set was translated with (alpha as tuned)
         "config": replace(avg_cfg, decode=decode).to_dict(),
@@ -329,13 +473,16 @@ def run_recipe(path: str | Path, out: str | Path, *, data: str | Path | None = N
     }
     write_text_atomic(out / "results.json", json.dumps(results, indent=2) + "\n")
     try:
-        plot_curves({f"{src}-{tgt}": out}, out / "curve.png", title=str(path))
+        labels: dict[str, str | Path] = ({f"{src}-{tgt}": out} if len(runs) == 1 else
+                  {f"{src}-{tgt} {run.name} (seed {cfg.train.seed + i})": run
+                   for i, run in enumerate(runs)})
+        plot_curves(labels, out / "curve.png", title=str(path))
     except ImportError:
         log.info("matplotlib is not installed (pip install 'aiayn[plot]'): no curve.png")
     return results
 
 
-def tune_alpha(model: Transformer, tokenizer: SubwordTokenizer, src_path: Path, ref_path: Path,
+def tune_alpha(model: Decoder, tokenizer: SubwordTokenizer, src_path: Path, ref_path: Path,
                target_lang: str, decode: DecodeConfig, grid: tuple[float, ...], out: Path, *,
                device: str = "cpu") -> tuple[DecodeConfig, dict[str, Any]]:
     """Translate the validation set at each length penalty in `grid` and keep the best.
@@ -373,9 +520,13 @@ def format_results(results: dict[str, Any]) -> str:
     s = results["scores"]
     t = results["train"]
     f = results["flops"]
+    k = results.get("ensemble", 1)
+    models = (f"an ensemble of {k} models, each the average of {len(results['averaged'])} "
+              f"checkpoints, {results['parameters']:,} params each" if k > 1 else
+              f"average of {len(results['averaged'])} checkpoints, "
+              f"{results['parameters']:,} params")
     lines = [
-        f"{results['pair']} {results['test_split']} ({s['n_lines']} sentences), "
-        f"average of {len(results['averaged'])} checkpoints, {results['parameters']:,} params",
+        f"{results['pair']} {results['test_split']} ({s['n_lines']} sentences), {models}",
         f"  sacreBLEU         {s['sacrebleu']:6.2f}  {s['sacrebleu_signature']}",
         f"  tok-BLEU (lc)     {s['tok_bleu']:6.2f}  {s['tok_bleu_signature']}",
         f"  chrF2             {s['chrf']:6.2f}  {s['chrf_signature']}",
@@ -385,6 +536,10 @@ def format_results(results: dict[str, Any]) -> str:
         f"{f['estimated_time_x_devices_x_peak']:.3g} as time x peak "
         f"({f['sustained_peak_flop_s'] / 1e12:.2f} TFLOP/s {f['peak_dtype']})",
     ]
+    for m in t.get("members", []):
+        ms = m["scores"]
+        lines.append(f"  {m['run']} (seed {m['seed']}) alone: sacreBLEU {ms['sacrebleu']:.2f}, "
+                     f"tok-BLEU {ms['tok_bleu']:.2f}, chrF2 {ms['chrf']:.2f}; {m['steps']} steps")
     tuning = results.get("alpha_tuning")
     if tuning:
         tried = ", ".join(f"{r['alpha']:g}: {r['sacrebleu']:.2f}" for r in tuning["tried"])
