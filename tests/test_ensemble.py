@@ -116,6 +116,7 @@ def _checkpoint(path: Path, seed: int, vocab_sentences: list[str]) -> Path:
     return path
 
 
+@pytest.mark.rows("F11")
 def test_load_ensemble_refuses_members_with_other_vocabularies(tmp_path: Path) -> None:
     text = [f"a dog runs on the beach number {i} with a red ball" for i in range(50)]
     other = [f"eine Katze schläft auf dem Sofa Nummer {i} neben dem Hund" for i in range(50)]

@@ -281,3 +281,65 @@ def test_ensemble_recipe_trains_members_side_by_side_and_decodes_them_together(
             for r in (out / "member1", tmp_path / "alone")]
     losses = [[json.loads(x).get("loss") for x in log] for log in logs]
     assert len([x for x in losses[0] if x is not None]) == 6 and losses[0] == losses[1]
+
+
+@pytest.mark.rows("A5")
+@pytest.mark.skipif(not MULTI30K.is_dir(), reason="needs ../shared/data/multi30k")
+def test_sigterm_reaches_every_ensemble_member_and_a_rerun_resumes_them(tmp_path,
+                                                                        record_property):
+    """A5 for recipe.ensemble: SIGTERM to the recipe is passed on to each member process,
+    which finishes its step, saves and stops (no step lost); a rerun resumes each member
+    from its own checkpoint."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from aiayn.checkpoint import load_checkpoint
+
+    out = tmp_path / "ens"
+    env = {**os.environ, "AIAYN_NO_MALLOC_TUNING": "1"}
+
+    def command(max_steps: int) -> list[str]:
+        args = [sys.executable, "-m", "aiayn", "recipe", str(ROOT / "configs" /
+                "multi30k-en-de.toml"), "--data", str(MULTI30K), "--out", str(out),
+                "--no-progress"]
+        for item in [*SMALL, "recipe.ensemble=2", "recipe.tune_alpha=0.6",
+                     f"max_steps={max_steps}", "save_interval_steps=0",
+                     "valid_interval_steps=1000000", "log_interval_steps=1"]:
+            args += ["--set", item]
+        return args
+
+    def steps(member: str) -> list[int]:
+        path = out / member / "train_log.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        return [r["step"] for r in map(json.loads, lines) if "loss" in r]
+
+    proc = subprocess.Popen(command(1_000_000), env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    while not all(len(steps(m)) >= 3 for m in ("member1", "member2")):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-2000:]
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    results = json.loads((out / "results.json").read_text())
+    stopped = {}
+    for m in results["train"]["members"]:
+        assert m["stopped_by"] == "SIGTERM"
+        last = load_checkpoint(out / m["run"] / "checkpoint_last.pt")["step"]
+        assert last == m["steps"] == max(steps(m["run"]))  # no step lost
+        stopped[m["run"]] = last
+    record_property("faults", {"SIGTERM": 1})
+    record_property("steps_lost", [0, 0])
+
+    rerun = subprocess.run(command(max(stopped.values()) + 4), env=env, capture_output=True,
+                           text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    for member, last in stopped.items():
+        logged = steps(member)
+        assert len(logged) == len(set(logged))  # resumed, not restarted
+        after = [s for s in logged if s > last]
+        assert after[0] == last + 1 and after[-1] == max(stopped.values()) + 4

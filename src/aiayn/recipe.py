@@ -7,6 +7,8 @@ each stage writing files into one run directory:
     RUN/data/prepared/   subword model, id tensors, manifest
     RUN/checkpoint_*.pt  training checkpoints (resumable: rerunning continues)
     RUN/checkpoint_avg.pt  the average of the last K checkpoints
+    RUN/member1/ ...     with [recipe] ensemble = K > 1: K training runs (each with its
+                         checkpoints and checkpoint_avg.pt) instead of the two lines above
     RUN/tune_alpha/      the validation set translated at each length penalty tried
     RUN/test.hyp         the translated test set
     RUN/results.json     scores with signatures, and the run's manifest
@@ -17,9 +19,11 @@ The experiment file is a preset plus overrides (see `config.load_experiment`) an
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import multiprocessing as mp
+import os
 import platform
 import signal
 import sys
@@ -180,8 +184,6 @@ def environment() -> dict[str, Any]:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             versions[name] = None
-    import os
-
     machine: dict[str, Any] = {"platform": platform.platform(), "processor": _cpu_name(),
                                "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                                "python": sys.version.split()[0], **cpu_kernels()}
@@ -240,6 +242,7 @@ def _train_member(cfg: Config, data_dir: Path, run_dir: Path, device: str, threa
     """One ensemble member, in a process of its own (the entry point of `train_members`)."""
     from aiayn.train import train
 
+    os.setpgrp()  # a terminal's Ctrl-C reaches the recipe only, which passes it on once
     torch.set_num_threads(threads)
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s {run_dir.name} "
                                                 "%(name)s: %(message)s")
@@ -275,9 +278,10 @@ def train_members(cfg: Config, data_dir: Path, out: Path, k: int, *, device: str
     train.seed, train.seed + 1, ..., each in a spawned process with 1/k of this process's
     threads (on a 2-core CPU two one-thread runs did 1.37x the steps of one two-thread run
     in the same time: docs/results.md). Each member is an ordinary run directory, so a
-    rerun resumes every member. SIGTERM is passed on to the members, which save and stop
-    (as `aiayn train` does); Ctrl-C reaches them directly. The progress hooks follow
-    member 1.
+    rerun resumes every member. SIGTERM and SIGINT (Ctrl-C) are passed on to the members,
+    which finish their step, save and stop, as `aiayn train` does (a second Ctrl-C stops
+    them at once); the recipe then goes on with what they saved, as after a single run.
+    The progress hooks follow member 1.
 
     Returns:
         Each member's `train_summary`.
@@ -304,21 +308,22 @@ def train_members(cfg: Config, data_dir: Path, out: Path, k: int, *, device: str
 
     def forward(signum: int, frame: Any) -> None:
         for proc in procs:
-            if proc.is_alive():
-                proc.terminate()  # SIGTERM: the member saves a checkpoint and stops
+            if proc.is_alive() and proc.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signum)
 
-    old = signal.signal(signal.SIGTERM, forward)
+    old = {}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(ValueError):  # not the main thread: no handler
+            old[sig] = signal.signal(sig, forward)
     follow = _LogFollower(dirs[0], hooks)
     try:
         while any(proc.is_alive() for proc in procs):
             procs[0].join(timeout=2) if procs[0].is_alive() else time.sleep(2)
             follow.poll()
-    except KeyboardInterrupt:
-        for proc in procs:  # the same Ctrl-C reached them: let them save
-            proc.join()
-        raise
     finally:
-        signal.signal(signal.SIGTERM, old)
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
     follow.poll()
     failed = [f"{d} (exit code {p.exitcode})" for d, p in zip(dirs, procs, strict=True)
               if p.exitcode != 0 or not (d / MEMBER_RESULT).exists()]
