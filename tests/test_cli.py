@@ -188,7 +188,6 @@ def test_translation_order_survives_length_sorted_batching(pipeline: Pipeline) -
     assert [s for _, s in bwd] == pytest.approx([s for _, s in fwd], abs=1e-4)
 
 
-@pytest.mark.rows("H2")
 @needs_multi30k
 def test_several_checkpoints_translate_as_an_ensemble(pipeline: Pipeline) -> None:
     """`--checkpoint A B` decodes with the mean of the models' distributions: two copies
@@ -204,6 +203,7 @@ def test_several_checkpoints_translate_as_an_ensemble(pipeline: Pipeline) -> Non
     assert len(lines) == len(pipeline.output) and lines[EMPTY_AT] == ""
 
 
+@pytest.mark.rows("H2")
 @needs_multi30k
 def test_evaluate_json_has_bleu_with_signature(pipeline: Pipeline) -> None:
     """Section 6.1 / RELIABILITY H2: BLEU and chrF, each with its sacrebleu signature."""

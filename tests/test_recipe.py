@@ -316,15 +316,16 @@ def test_sigterm_reaches_every_ensemble_member_and_a_rerun_resumes_them(tmp_path
         lines = path.read_text().splitlines() if path.exists() else []
         return [r["step"] for r in map(json.loads, lines) if "loss" in r]
 
-    proc = subprocess.Popen(command(1_000_000), env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 180
-    while not all(len(steps(m)) >= 3 for m in ("member1", "member2")):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-2000:]
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err[-2000:]
+    log = tmp_path / "recipe.log"  # a file, not a pipe: three processes write to it
+    with open(log, "w") as sink:
+        proc = subprocess.Popen(command(1_000_000), env=env, stdout=sink, stderr=sink)
+        deadline = time.monotonic() + 180
+        while not all(len(steps(m)) >= 3 for m in ("member1", "member2")):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    assert proc.returncode == 0, log.read_text()[-2000:]
     results = json.loads((out / "results.json").read_text())
     stopped = {}
     for m in results["train"]["members"]:
