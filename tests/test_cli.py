@@ -306,3 +306,22 @@ def test_dump_config_shows_file_then_flags(tmp_path: Path) -> None:
     assert cfg["train"]["max_steps"] == 9  # the flag beats the file
     assert cfg["model"]["d_model"] == 256  # the preset fills the rest
     assert not (tmp_path / "run").exists()
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly() -> None:
+    """`aiayn ... | head`: when the pipe's reader has gone, the command stops with the
+    shell's code for it (128 + SIGPIPE) and no traceback, as `cat` would."""
+    import os
+    import subprocess
+    import sys
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first byte
+    try:
+        proc = subprocess.run([sys.executable, "-m", "aiayn", "info", "--preset", "base",
+                               "--json"], stdout=write_end, stderr=subprocess.PIPE, text=True,
+                              timeout=120)
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 141, proc.stderr
+    assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr

@@ -417,7 +417,14 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     func: Callable[[argparse.Namespace], int] = args.func
     try:
-        return func(args)
+        code = func(args)
+        sys.stdout.flush()  # a reader that went away shows here, inside the handler below
+        return code
+    except BrokenPipeError:
+        # the reader went away (`aiayn evaluate ... | head`): stop quietly, as `cat` does;
+        # stdout goes to /dev/null so that the interpreter's final flush cannot fail too
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, the shell's code for a process its pipe's reader left
     except ConfigError as e:
         print(f"aiayn: error: {e}", file=sys.stderr)
         return 2
