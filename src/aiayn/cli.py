@@ -156,13 +156,12 @@ def cmd_average(args: argparse.Namespace) -> int:
 
 def cmd_translate(args: argparse.Namespace) -> int:
     from aiayn.checkpoint import load_ensemble
-    from aiayn.ensemble import Ensemble
+    from aiayn.ensemble import as_decoder
     from aiayn.translate import cast_for_inference, translate_file
 
     models, tokenizer, cfg = load_ensemble([Path(p) for p in args.checkpoint],
                                            device=args.device)
-    models = [cast_for_inference(m, args.dtype) for m in models]
-    model = models[0] if len(models) == 1 else Ensemble(models)
+    model = as_decoder([cast_for_inference(m, args.dtype) for m in models])
     overrides: dict[str, Any] = {}
     for flag in ("beam", "alpha", "max_len_a", "max_len_b", "nbest", "max_tokens"):
         if getattr(args, flag) is not None:

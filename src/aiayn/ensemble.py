@@ -72,6 +72,9 @@ class Ensemble:
         """Next-token log-probabilities (R, V) of the members' mean distribution."""
         log_p = [F.log_softmax(m.decode_step(tokens, src_mask, s.states).float(), dim=-1)
                  for m, s in zip(self.members, states, strict=True)]
-        if len(log_p) == 1:
-            return log_p[0]
         return torch.logsumexp(torch.stack(log_p), dim=0) - math.log(len(log_p))
+
+
+def as_decoder(models: Sequence[Any]) -> Any:
+    """One model as it is (its own search path, bit for bit), several as an `Ensemble`."""
+    return models[0] if len(models) == 1 else Ensemble(models)

@@ -30,6 +30,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, fields, replace
 from importlib import metadata
+from multiprocessing.connection import wait as wait_for
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -247,7 +248,8 @@ def _train_member(cfg: Config, data_dir: Path, run_dir: Path, device: str, threa
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s {run_dir.name} "
                                                 "%(name)s: %(message)s")
     result = train(cfg, data_dir, run_dir, device=device)
-    write_text_atomic(run_dir / MEMBER_RESULT, json.dumps(train_summary(result)) + "\n")
+    summary = {**train_summary(result), "seed": cfg.train.seed}
+    write_text_atomic(run_dir / MEMBER_RESULT, json.dumps(summary) + "\n")
 
 
 class _LogFollower:
@@ -272,9 +274,14 @@ class _LogFollower:
                 self.hooks.on_valid(record["step"], record)
 
 
+def member_dirs(out: Path, k: int) -> list[Path]:
+    """The run directories of an ensemble recipe's k members."""
+    return [out / f"member{i + 1}" for i in range(k)]
+
+
 def train_members(cfg: Config, data_dir: Path, out: Path, k: int, *, device: str = "cpu",
                   hooks: Hooks | None = None) -> list[dict[str, Any]]:
-    """Train k models of `cfg` at once into out/member1 ... out/memberK, with seeds
+    """Train k models of `cfg` at once into `member_dirs(out, k)`, with seeds
     train.seed, train.seed + 1, ..., each in a spawned process with 1/k of this process's
     threads (on a 2-core CPU two one-thread runs did 1.37x the steps of one two-thread run
     in the same time: docs/results.md). Each member is an ordinary run directory, so a
@@ -284,7 +291,7 @@ def train_members(cfg: Config, data_dir: Path, out: Path, k: int, *, device: str
     The progress hooks follow member 1.
 
     Returns:
-        Each member's `train_summary`.
+        Each member's `train_summary`, with its "seed".
     Raises:
         TrainingError naming the members whose process failed (their errors are logged).
     """
@@ -292,7 +299,7 @@ def train_members(cfg: Config, data_dir: Path, out: Path, k: int, *, device: str
 
     threads = max(1, torch.get_num_threads() // k)
     ctx = mp.get_context("spawn")  # a fresh interpreter: no forked thread pools
-    dirs = [out / f"member{i + 1}" for i in range(k)]
+    dirs = member_dirs(out, k)
     procs = []
     for i, run_dir in enumerate(dirs):
         (run_dir / MEMBER_RESULT).unlink(missing_ok=True)
@@ -302,9 +309,7 @@ def train_members(cfg: Config, data_dir: Path, out: Path, k: int, *, device: str
                                  logging.getLogger().getEffectiveLevel()))
         proc.start()
         procs.append(proc)
-    log.info("training %d ensemble members at once (%s), %d thread(s) each", k,
-             ", ".join(f"{d.name}: seed {cfg.train.seed + i}" for i, d in enumerate(dirs)),
-             threads)
+        log.info("%s: seed %d, %d thread(s)", run_dir.name, member_cfg.train.seed, threads)
 
     def forward(signum: int, frame: Any) -> None:
         for proc in procs:
@@ -318,8 +323,8 @@ def train_members(cfg: Config, data_dir: Path, out: Path, k: int, *, device: str
             old[sig] = signal.signal(sig, forward)
     follow = _LogFollower(dirs[0], hooks)
     try:
-        while any(proc.is_alive() for proc in procs):
-            procs[0].join(timeout=2) if procs[0].is_alive() else time.sleep(2)
+        while alive := [proc.sentinel for proc in procs if proc.is_alive()]:
+            wait_for(alive, timeout=2)  # back at once when a member ends
             follow.poll()
     finally:
         for sig, handler in old.items():
@@ -358,7 +363,7 @@ def run_recipe(path: str | Path, out: str | Path, *, data: str | Path | None = N
     from aiayn.curves import plot_curves
     from aiayn.data import find_input, prepare
     from aiayn.download import download_multi30k
-    from aiayn.ensemble import Ensemble
+    from aiayn.ensemble import as_decoder
     from aiayn.evaluate import score_files
     from aiayn.flops import cpu_matmul_rates, matmul_peak, slow_bf16_warning
     from aiayn.train import train
@@ -406,7 +411,7 @@ def run_recipe(path: str | Path, out: str | Path, *, data: str | Path | None = N
         runs = [out]
         trained = [train_summary(train(cfg, prepared, out, device=device, hooks=hooks))]
     else:
-        runs = [out / f"member{i + 1}" for i in range(recipe.ensemble)]
+        runs = member_dirs(out, recipe.ensemble)
         trained = train_members(cfg, prepared, out, recipe.ensemble, device=device,
                                 hooks=hooks)
     wall["train_s"] = time.perf_counter() - t0
@@ -419,7 +424,7 @@ def run_recipe(path: str | Path, out: str | Path, *, data: str | Path | None = N
         averaged.append([p.name for p in paths])
     models, tokenizer, avg_cfg = load_ensemble([run / "checkpoint_avg.pt" for run in runs],
                                                device=device)
-    model = models[0] if len(models) == 1 else Ensemble(models)
+    model = as_decoder(models)
     wall["average_s"] = time.perf_counter() - t0
 
     decode, tuning = cfg.decode, None
@@ -438,17 +443,16 @@ def run_recipe(path: str | Path, out: str | Path, *, data: str | Path | None = N
     wall["translate_s"] = time.perf_counter() - t0
     scores = score_files(hyp, test_ref, tgt)
 
-    train_record = {k: v for k, v in trained[0].items() if k != "flops"}
+    train_record = {k: v for k, v in trained[0].items() if k not in ("flops", "seed")}
     flops = sum(t["flops"] for t in trained)
     if len(runs) > 1:
         # the members' own test scores, at the same settings: what the ensemble adds
         t0 = time.perf_counter()
         members = []
-        for i, (run, member, t) in enumerate(zip(runs, models, trained, strict=True)):
+        for run, member, t, names in zip(runs, models, trained, averaged, strict=True):
             member_hyp = run / hyp.name
             translate_file(member, tokenizer, test_src, member_hyp, decode, device=device)
-            members.append({"run": run.name, "seed": cfg.train.seed + i, **t,
-                            "averaged": averaged[i],
+            members.append({"run": run.name, **t, "averaged": names,
                             "scores": score_files(member_hyp, test_ref, tgt).to_dict()})
         wall["translate_members_s"] = time.perf_counter() - t0
         # trained side by side: the stage's time is the longest member's, the tokens add up
@@ -479,8 +483,8 @@ def run_recipe(path: str | Path, out: str | Path, *, data: str | Path | None = N
     write_text_atomic(out / "results.json", json.dumps(results, indent=2) + "\n")
     try:
         labels: dict[str, str | Path] = ({f"{src}-{tgt}": out} if len(runs) == 1 else
-                  {f"{src}-{tgt} {run.name} (seed {cfg.train.seed + i})": run
-                   for i, run in enumerate(runs)})
+                  {f"{src}-{tgt} {run.name} (seed {t['seed']})": run
+                   for run, t in zip(runs, trained, strict=True)})
         plot_curves(labels, out / "curve.png", title=str(path))
     except ImportError:
         log.info("matplotlib is not installed (pip install 'aiayn[plot]'): no curve.png")
