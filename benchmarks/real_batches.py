@@ -2,6 +2,7 @@
 
     aiayn prepare ... --out DATA        # or a recipe's RUN/data/prepared
     python benchmarks/real_batches.py DATA --config configs/multi30k-en-de.toml --epochs 2
+    python benchmarks/real_batches.py DATA --config configs/multi30k-en-de.toml --packed
     ONEDNN_PRIMITIVE_CACHE_CAPACITY=1024 python benchmarks/real_batches.py DATA ...
 
 `aiayn bench train` times one batch shape over and over; a real epoch has many (the En->De
@@ -9,7 +10,9 @@ recipe: 178 batch shapes, ~4,400 distinct matrix products), and on the CPU each 
 product shape is a oneDNN kernel compiled once and cached. This times what a training run
 sees: the recipe's model, optimizer and batches (forward, loss, backward, Adam; no
 validation or checkpoints), and prints the mean step time and peak memory per epoch. The
-second line above shows oneDNN's default kernel cache (aiayn sets a larger one on import).
+second line leaves padding out of the position-wise layers (`train.pack_padding`; the
+recipes train on the whole padded batches, `--padded`), the third shows oneDNN's default
+kernel cache (aiayn sets a larger one on import).
 Run it with the allocator settings the `aiayn` command sets for itself (MALLOC_* in
 `aiayn.cli`), or page faults blur the comparison on VMs like ours.
 """
@@ -41,6 +44,11 @@ def main() -> int:
     p.add_argument("--config", help="experiment file (default: the tiny preset)")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--max-batches", type=int, default=0, help="per epoch; 0 = all")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--padded", action="store_true",
+                     help="the whole padded batches (train.pack_padding = false)")
+    how.add_argument("--packed", action="store_true",
+                     help="padding left out (train.pack_padding = true); default: the config's")
     args = p.parse_args()
 
     cfg = load_experiment(args.config)[0] if args.config else get_preset("tiny")
@@ -49,9 +57,12 @@ def main() -> int:
     corpus = load_corpus(args.data, "train")
     torch.manual_seed(cfg.train.seed)
     model = Transformer(cfg.model).train()
+    packed = args.packed or (cfg.train.pack_padding and not args.padded)
+    model.pack_padding = None if packed else False  # None: packed, training on the CPU
     opt = make_optimizer(model, cfg.train)
     bf16 = cfg.train.dtype == "bf16"
-    print(f"{cfg.train.dtype}, max_tokens {cfg.train.max_tokens}, oneDNN kernel cache "
+    print(f"{cfg.train.dtype}, max_tokens {cfg.train.max_tokens}, "
+          f"{'packed' if packed else 'padded'} batches, oneDNN kernel cache "
           f"{os.environ.get('ONEDNN_PRIMITIVE_CACHE_CAPACITY', 'default')}")
     seen: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
     for epoch in range(args.epochs):

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from aiayn import model as model_mod
 from aiayn import native
 from aiayn.bench import bench_decode, bench_train, random_batch
 from aiayn.config import EOS_ID, PAD_ID, ModelConfig
@@ -27,6 +28,26 @@ def test_forward_flops_equal_pytorch_flop_counter(cfg):
     with FlopCounterMode(display=False) as counter:
         model(src, tgt)
     assert forward_flops(cfg, 3, 7, 5) == counter.get_total_flops()
+
+
+def test_forward_flops_of_a_packed_batch_equal_pytorch_flop_counter(monkeypatch):
+    """With padding, the CPU runs the position-wise products on the real tokens only
+    (`model.Packing`): the count with src_tokens / tgt_tokens is what PyTorch counts, and
+    the padded count is what it counts with packing switched off."""
+    monkeypatch.setattr(model_mod.Packing, "granule", 1)  # exactly the real tokens
+    model = Transformer(CFG).eval()
+    src, tgt = torch.randint(4, 50, (3, 7)), torch.randint(4, 50, (3, 5))
+    src[0, 4:], src[2, 6:], tgt[1, 2:] = PAD_ID, PAD_ID, PAD_ID
+    n_src, n_tgt = int((src != PAD_ID).sum()), int((tgt != PAD_ID).sum())
+    for packed, expected in ((True, forward_flops(CFG, 3, 7, 5, src_tokens=n_src,
+                                                  tgt_tokens=n_tgt)),
+                             (False, forward_flops(CFG, 3, 7, 5))):
+        model.pack_padding = packed
+        with FlopCounterMode(display=False) as counter:
+            model(src, tgt)
+        assert counter.get_total_flops() == expected
+    assert forward_flops(CFG, 3, 7, 5, src_tokens=n_src, tgt_tokens=n_tgt) < \
+        forward_flops(CFG, 3, 7, 5)
 
 
 def test_training_flops_equal_pytorch_flop_counter_forward_and_backward():

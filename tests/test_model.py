@@ -151,6 +151,86 @@ def test_padding_does_not_change_real_positions():
     torch.testing.assert_close(m(src_pad, tgt_pad)[:, :4], out, rtol=0, atol=1e-12)
 
 
+def _ragged_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded sources and targets of different lengths (one sentence unpadded)."""
+    g = torch.Generator().manual_seed(3)
+    src = torch.randint(4, 50, (4, 9), generator=g)
+    tgt = torch.randint(4, 50, (4, 7), generator=g)
+    for i, (s, t) in enumerate([(9, 3), (4, 7), (6, 1), (2, 5)]):
+        src[i, s:], tgt[i, t:] = PAD_ID, PAD_ID
+    return src, tgt
+
+
+@pytest.fixture
+def granule_one(monkeypatch):
+    """Pack exactly the real tokens (the default rounds their number up to 64 rows)."""
+    monkeypatch.setattr(model_mod.Packing, "granule", 1)
+
+
+@pytest.mark.parametrize("positional", ["sinusoidal", "learned"])
+def test_packed_batch_equals_padded_batch(positional, granule_one):
+    """Running the position-wise sublayers on the real tokens only (`Packing`) computes the
+    same logits, memory and gradients as running the padded batch; padded rows are zeros."""
+    src, tgt = _ragged_batch()
+    real = tgt != PAD_ID
+    results = {}
+    for packed in (False, True):
+        m = small_model(positional=positional, P_drop=0.0).train()
+        m.pack_padding = packed
+        logits = m(src, tgt)
+        memory, _ = m.encode(src)
+        logits[real].logsumexp(-1).sum().backward()
+        grads = {n: p.grad for n, p in m.named_parameters()}
+        results[packed] = logits.detach(), memory.detach(), grads
+    (l0, m0, g0), (l1, m1, g1) = results[False], results[True]
+    torch.testing.assert_close(l1[real], l0[real], rtol=0, atol=1e-12)
+    assert l1[~real].abs().max() == 0 and l0[~real].abs().max() > 0
+    src_real = src != PAD_ID
+    torch.testing.assert_close(m1[src_real], m0[src_real], rtol=0, atol=1e-12)
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], rtol=0, atol=1e-12, msg=name)
+
+
+def test_packing_is_the_default_for_training_on_the_cpu(granule_one):
+    """Packed by default when training on the CPU (padded rows come out as zeros); not in
+    evaluation, not for a batch without padding, and not when switched off."""
+    m = small_model(P_drop=0.0).train()
+    src, tgt = _ragged_batch()
+    assert m.packing(tgt) is not None and m.packing(src[:1]) is None
+    assert m(src, tgt)[tgt == PAD_ID].abs().max() == 0
+    m.eval()
+    assert m.packing(tgt) is None and m(src, tgt)[tgt == PAD_ID].abs().max() > 0
+    m.train().pack_padding = False
+    assert m.packing(tgt) is None and m(src, tgt)[tgt == PAD_ID].abs().max() > 0
+
+
+def test_packing_rows_round_trip(granule_one):
+    """pack picks the real rows in batch order; unpack puts them back, zeros elsewhere."""
+    tokens = torch.tensor([[5, 6, PAD_ID], [7, PAD_ID, PAD_ID]])
+    p = model_mod.Packing(tokens)
+    x = torch.arange(6.0).view(2, 3, 1)
+    assert p.pack(x).flatten().tolist() == [0.0, 1.0, 3.0]
+    assert p.unpack(p.pack(x)).flatten().tolist() == [0.0, 1.0, 0.0, 3.0, 0.0, 0.0]
+
+
+def test_packed_rows_are_a_multiple_of_the_granule():
+    """The real tokens, then the first padded positions needed for a multiple of 64 rows
+    (so few product shapes recur); a batch with too little padding is not packed."""
+    tokens = torch.full((10, 20), 7)
+    lengths = torch.tensor([20, 3, 17, 9, 20, 12, 5, 19, 14, 8])  # 127 real tokens
+    tokens[torch.arange(20) >= lengths[:, None]] = PAD_ID
+    p = model_mod.Packing(tokens)
+    real = (tokens.flatten() != PAD_ID).nonzero().squeeze(1)
+    pads = (tokens.flatten() == PAD_ID).nonzero().squeeze(1)
+    assert p.rows.numel() == 128 and p.padded
+    assert p.rows.tolist() == sorted(real.tolist() + pads[:1].tolist())
+    m = small_model().train()
+    assert m.packing(tokens) is not None
+    two = torch.full((2, 40), 7)
+    two[1, 39] = PAD_ID  # 79 real tokens: 128 rows would be more than the batch's 80
+    assert model_mod.Packing(two).rows.numel() == 80 and m.packing(two) is None
+
+
 def test_post_norm_layer_output_is_normalised():
     """Section 3.1: each sub-layer output is LayerNorm(x + Sublayer(x)), so it is normalised."""
     m = small_model()

@@ -57,6 +57,40 @@ def test_compiled_training_matches_the_plain_loop(small_data: Path, tmp_path: Pa
     assert all(torch.allclose(plain_w[k], comp_w[k], rtol=rtol, atol=atol) for k in plain_w)
 
 
+def test_training_on_the_real_tokens_matches_the_padded_loop(small_data: Path,
+                                                             tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch):
+    """train.pack_padding (the default) leaves padding out of the position-wise layers:
+    the same losses and weights as the whole padded batches (False, the recipes' setting),
+    up to rounding; and only the default packs."""
+    import torch
+
+    from aiayn import model as model_mod
+
+    packed = []
+    real_init = model_mod.Packing.__init__
+
+    def counting_init(self: model_mod.Packing, tokens: torch.Tensor) -> None:
+        real_init(self, tokens)
+        packed.append(self.padded)
+
+    monkeypatch.setattr(model_mod.Packing, "__init__", counting_init)
+    base = {"N": 1, "d_model": 32, "d_ff": 64, "h": 2, "d_k": 16, "d_v": 16, "P_drop": 0.0,
+            "train.max_tokens": 300, "max_steps": 6, "save_interval_steps": 6}
+    runs = {}
+    for pack in (False, True):
+        packed.clear()
+        cfg = apply_overrides(get_preset("tiny"), {**base, "train.pack_padding": pack})
+        runs[pack] = (train(cfg, small_data, tmp_path / str(pack)),
+                      torch.load(tmp_path / str(pack) / "checkpoint_6.pt",
+                                 weights_only=False)["model"])
+        assert any(packed) == pack  # some batch was packed, or none was
+    (padded, padded_w), (real, real_w) = runs[False], runs[True]
+    assert [h["loss"] for h in real.history] == pytest.approx(
+        [h["loss"] for h in padded.history], rel=1e-5)
+    assert all(torch.allclose(padded_w[k], real_w[k], rtol=1e-4, atol=1e-6) for k in padded_w)
+
+
 @pytest.mark.parametrize("max_steps", [12, 1_000_000])
 def test_warns_early_when_max_minutes_will_end_the_run(small_data: Path, tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch,

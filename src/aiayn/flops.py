@@ -17,31 +17,41 @@ import torch
 from aiayn.config import ModelConfig
 
 
-def forward_flops(cfg: ModelConfig, batch: int, S: int, T: int) -> float:
-    """FLOPs of one forward pass over a (padded) batch: B sources of S and B targets of T.
+def forward_flops(cfg: ModelConfig, batch: int, S: int, T: int, *,
+                  src_tokens: int | None = None, tgt_tokens: int | None = None) -> float:
+    """FLOPs of one forward pass over a padded batch: B sources of S and B targets of T.
 
     Args:
         cfg: the architecture (vocab_size must be set for the output projection).
-        batch, S, T: batch size, source and target lengths as computed (padding included).
+        batch, S, T: batch size, source and target lengths (padding included).
+        src_tokens, tgt_tokens: the positions the position-wise products (projections,
+            FFN, output layer) run on: the real (non-pad) tokens when the batch is packed
+            (`model.Packing`, the CPU's default), else B*S and B*T (the default here).
+            The attention products Q K^T and weights x V are counted over the padded
+            lengths, as they are computed.
     """
     D, F, h, d_k, d_v, V = cfg.d_model, cfg.d_ff, cfg.h, cfg.d_k, cfg.d_v, cfg.vocab_size
+    src_rows = batch * S if src_tokens is None else src_tokens
+    tgt_rows = batch * T if tgt_tokens is None else tgt_tokens
     qkv = 2 * D * h * (2 * d_k + d_v)  # per token: Q, K, V projections
     out = 2 * h * d_v * D  # W^O
     ffn = 2 * 2 * D * F
-    enc_token = qkv + out + ffn + 2 * S * h * (d_k + d_v)  # + Q K^T and weights x V
-    dec_token = (qkv + out  # masked self-attention projections
-                 + 2 * T * h * (d_k + d_v)  # its products (the full T x T matrix is computed)
-                 + 2 * D * h * d_k + out  # encoder-decoder attention: Q and W^O
-                 + 2 * S * h * (d_k + d_v)  # its products with the encoder's keys and values
-                 + ffn)
     memory_kv = 2 * D * h * (d_k + d_v)  # per source token and decoder layer
-    per_sentence = cfg.N * (S * enc_token + T * dec_token + S * memory_kv) + T * 2 * D * V
-    return float(batch * per_sentence)
+    enc_token = qkv + out + ffn
+    dec_token = (qkv + out  # masked self-attention projections
+                 + 2 * D * h * d_k + out  # encoder-decoder attention: Q and W^O
+                 + ffn)
+    products = batch * (S * 2 * S * h * (d_k + d_v)  # encoder: Q K^T and weights x V
+                        + T * 2 * T * h * (d_k + d_v)  # decoder self-attention (all T x T)
+                        + T * 2 * S * h * (d_k + d_v))  # decoder: the encoder's K and V
+    per_layer = src_rows * (enc_token + memory_kv) + tgt_rows * dec_token + products
+    return float(cfg.N * per_layer + tgt_rows * 2 * D * V)
 
 
-def training_flops(cfg: ModelConfig, batch: int, S: int, T: int) -> float:
+def training_flops(cfg: ModelConfig, batch: int, S: int, T: int, *,
+                   src_tokens: int | None = None, tgt_tokens: int | None = None) -> float:
     """Forward + backward (twice the forward) FLOPs of one training batch."""
-    return 3.0 * forward_flops(cfg, batch, S, T)
+    return 3.0 * forward_flops(cfg, batch, S, T, src_tokens=src_tokens, tgt_tokens=tgt_tokens)
 
 
 def peak_size(device: str | torch.device = "cpu") -> int:

@@ -24,6 +24,49 @@ from aiayn import kernels
 from aiayn.config import PAD_ID, ModelConfig
 
 
+# --------------------------------------------------------------------------- padding
+class Packing:
+    """Where the real (non-pad) tokens of a right-padded (B, T) batch are: rows of its
+    (B*T, ...) view.
+
+    Every sublayer but attention itself works on each position alone (section 3.3: the
+    projections, the FFN, residuals, LayerNorm, dropout), so when training on the CPU the
+    model runs them on the N real rows only (N, D), and lays rows out as (B, T, .) just
+    for the attention products, whose masks already keep padding out of every real
+    position's result. Padding is ~12% of the target side of the recipe's length-bucketed
+    batches, and 12.5% of the benchmark's (issue 5): work that was computed and thrown
+    away. Zeros stand at the padded positions left out; no real row sees them.
+
+    The rows are the real tokens plus the first few padded positions that make their
+    number a multiple of `granule`: each product shape is a oneDNN kernel compiled and
+    cached once (bf16), and a count that changed with every batch would make new ones
+    every step; padded positions are harmless to compute, as before.
+    """
+
+    granule = 64
+
+    def __init__(self, tokens: Tensor) -> None:
+        self.batch, self.length = tokens.shape
+        keep = tokens.flatten() != PAD_ID
+        extra = -int(keep.sum()) % self.granule
+        if extra:
+            keep[(~keep).nonzero()[:extra]] = True
+        self.rows = keep.nonzero().squeeze(1)
+
+    @property
+    def padded(self) -> bool:
+        return self.rows.numel() < self.batch * self.length
+
+    def pack(self, x: Tensor) -> Tensor:
+        """(B, T, C) -> (N, C), the rows kept."""
+        return x.reshape(self.batch * self.length, -1).index_select(0, self.rows)
+
+    def unpack(self, x: Tensor) -> Tensor:
+        """(N, C) -> (B, T, C), zeros at the padding left out."""
+        out = x.new_zeros(self.batch * self.length, x.size(-1))
+        return out.index_copy_(0, self.rows, x).view(self.batch, self.length, -1)
+
+
 # --------------------------------------------------------------------------- 5.4
 class Dropout(nn.Module):
     """Dropout (section 5.4): zero each element with probability p, scale the rest by 1/(1-p).
@@ -163,29 +206,43 @@ class MultiHeadAttention(nn.Module):
         # (B, T, H*d) -> (B, H, T, d)
         return x.unflatten(-1, (self.h, d)).transpose(1, 2)
 
-    def project_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
-        """Keys and values of the encoder output, computed once per sentence when decoding."""
-        k, v = self.w_kv(memory).split([self.h * self.d_k, self.h * self.d_v], dim=-1)
+    def project_kv(self, memory: Tensor, packing: Packing | None = None
+                   ) -> tuple[Tensor, Tensor]:
+        """Keys and values of the encoder output, computed once per sentence when decoding.
+
+        memory: (B, S, D), or its real rows (N, D) with their `packing`.
+        """
+        kv = self.w_kv(memory)
+        if packing is not None:
+            kv = packing.unpack(kv)
+        k, v = kv.split([self.h * self.d_k, self.h * self.d_v], dim=-1)
         return self._split(k, self.d_k), self._split(v, self.d_v)
 
     def forward(self, x: Tensor, memory: Tensor | None = None, mask: Tensor | None = None,
                 *, causal: bool = False, kv: tuple[Tensor, Tensor] | None = None,
-                cache: KVCache | None = None) -> Tensor:
+                cache: KVCache | None = None, packing: Packing | None = None,
+                memory_packing: Packing | None = None) -> Tensor:
         """Attend from x (B, Tq, D) to itself, or to `memory` (B, Tk, D) / precomputed `kv`.
 
         `cache` (self-attention, incremental decoding): the new keys/values are appended to
-        it and attention covers everything cached so far.
+        it and attention covers everything cached so far. `packing` / `memory_packing`:
+        x / memory are the real rows (N, D) of a padded batch (`Packing`); so is the result.
         """
         if self.self_attention:
-            q, k, v = self.w_qkv(x).split(
+            qkv = self.w_qkv(x)
+            if packing is not None:
+                qkv = packing.unpack(qkv)
+            q, k, v = qkv.split(
                 [self.h * self.d_k, self.h * self.d_k, self.h * self.d_v], dim=-1)
             q, k, v = self._split(q, self.d_k), self._split(k, self.d_k), self._split(v, self.d_v)
             if cache is not None:
                 k, v = cache.append(k, v)
                 causal = causal and q.size(2) > 1  # a single new query may see all the past
         else:
-            q = self._split(self.w_q(x), self.d_k)
-            k, v = kv if kv is not None else self.project_kv(memory)  # type: ignore[arg-type]
+            q = self.w_q(x)
+            q = self._split(q if packing is None else packing.unpack(q), self.d_k)
+            k, v = kv if kv is not None else \
+                self.project_kv(memory, memory_packing)  # type: ignore[arg-type]
             if k.size(0) != q.size(0):
                 return self.w_o(self._attend_grouped(q, k, v, mask))
         if self.record_weights:
@@ -197,7 +254,8 @@ class MultiHeadAttention(nn.Module):
         p = self.dropout if self.training else 0.0
         out = scaled_dot_product_attention(q, k, v, mask, causal=causal, dropout_p=p)
         # (B, H, Tq, Vd) -> (B, Tq, H*Vd)
-        return self.w_o(out.transpose(1, 2).flatten(2))
+        out = out.transpose(1, 2).flatten(2)
+        return self.w_o(out if packing is None else packing.pack(out))
 
     def _attend_grouped(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
         """Beam search: the g = B / A hypotheses of each of A sentences attend to that
@@ -353,8 +411,8 @@ class EncoderLayer(nn.Module):
         self.norm2 = nn.LayerNorm(cfg.d_model)
         self.dropout = Dropout(cfg.P_drop)
 
-    def forward(self, x: Tensor, src_mask: Tensor) -> Tensor:
-        x = self.norm1(x + self.dropout(self.self_attn(x, mask=src_mask)))
+    def forward(self, x: Tensor, src_mask: Tensor, packing: Packing | None = None) -> Tensor:
+        x = self.norm1(x + self.dropout(self.self_attn(x, mask=src_mask, packing=packing)))
         return self.norm2(x + self.dropout(self.ffn(x)))
 
 
@@ -390,11 +448,14 @@ class DecoderLayer(nn.Module):
         self.dropout = Dropout(cfg.P_drop)
 
     def forward(self, y: Tensor, memory: Tensor, src_mask: Tensor,
-                state: LayerState | None = None) -> Tensor:
+                state: LayerState | None = None, packing: Packing | None = None,
+                memory_packing: Packing | None = None) -> Tensor:
         cache = state.self_cache if state is not None else None
         kv = state.memory_kv if state is not None else None
-        y = self.norm1(y + self.dropout(self.self_attn(y, causal=True, cache=cache)))
-        y = self.norm2(y + self.dropout(self.cross_attn(y, memory, src_mask, kv=kv)))
+        y = self.norm1(y + self.dropout(self.self_attn(y, causal=True, cache=cache,
+                                                       packing=packing)))
+        y = self.norm2(y + self.dropout(self.cross_attn(
+            y, memory, src_mask, kv=kv, packing=packing, memory_packing=memory_packing)))
         return self.norm3(y + self.dropout(self.ffn(y)))
 
 
@@ -426,17 +487,21 @@ class Embeddings(nn.Module):
         self.dropout = Dropout(cfg.P_drop)
         self.max_positions = cfg.max_positions
 
-    def forward(self, tokens: Tensor, offset: int = 0) -> Tensor:
-        """tokens (B, T) at positions offset..offset+T-1 -> (B, T, D)."""
+    def forward(self, tokens: Tensor, offset: int = 0, packing: Packing | None = None
+                ) -> Tensor:
+        """tokens (B, T) at positions offset..offset+T-1 -> (B, T, D); with `packing`, the
+        real tokens' rows only: (N, D)."""
         t = tokens.size(1)
         if offset + t > self.max_positions:
             raise ValueError(f"sequence of length {offset + t} exceeds max_positions="
                              f"{self.max_positions}")
-        if self.learned is not None:
-            pos = self.learned.weight[offset:offset + t]
+        table = self.learned.weight if self.learned is not None else self.pe
+        if packing is not None:
+            ids = tokens.flatten().index_select(0, packing.rows)
+            pos = table.index_select(0, packing.rows % t + offset)  # type: ignore[operator]
         else:
-            pos = self.pe[offset:offset + t]  # type: ignore[index]  # a registered buffer
-        return self.dropout(self.token(tokens) * self.scale + pos)
+            ids, pos = tokens, table[offset:offset + t]  # type: ignore[index]
+        return self.dropout(self.token(ids) * self.scale + pos)
 
 
 # --------------------------------------------------------------------------- 3
@@ -449,6 +514,9 @@ class Transformer(nn.Module):
         if cfg.vocab_size <= 0:
             raise ValueError("ModelConfig.vocab_size must be set (it comes from the vocabulary)")
         self.cfg = cfg
+        #: Run the position-wise sublayers on the real tokens only (`packing`); None: when
+        #: training on the CPU; False: always the whole padded batch (train.pack_padding).
+        self.pack_padding: bool | None = None
         emb = nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=PAD_ID)
         self.src_embed = Embeddings(cfg, emb)
         tgt_emb = emb if cfg.share_embeddings else nn.Embedding(cfg.vocab_size, cfg.d_model,
@@ -477,31 +545,61 @@ class Transformer(nn.Module):
         """(B, S) -> (B, 1, 1, S) boolean, True at real tokens: every query may attend there."""
         return (src != PAD_ID)[:, None, None, :]
 
+    def packing(self, tokens: Tensor) -> Packing | None:
+        """How to run a padded batch on its real tokens only (`Packing`), or None to run it
+        as it is: where `pack_padding` says so and the batch has padding to leave out.
+
+        `pack_padding` None means: when training on the CPU, outside torch.compile. A GPU
+        would wait for the rows to be found (and padding is cheap there: not measured);
+        evaluation and decoding keep the padded batch, whose encoder pass is a small part
+        of a search, so their outputs stay those of earlier versions bit for bit.
+        """
+        use = self.pack_padding
+        if use is None:
+            use = (self.training and tokens.device.type == "cpu"
+                   and not torch.compiler.is_compiling())
+        if not use:
+            return None
+        packing = Packing(tokens)
+        return packing if packing.padded else None
+
     def encode(self, src: Tensor) -> tuple[Tensor, Tensor]:
         """src (B, S) -> memory (B, S, D) and its mask (B, 1, 1, S)."""
         mask = self.src_mask(src)
-        x = self.src_embed(src)
+        packing = self.packing(src)
+        memory = self._encode(src, mask, packing)
+        return (memory if packing is None else packing.unpack(memory)), mask
+
+    def _encode(self, src: Tensor, mask: Tensor, packing: Packing | None) -> Tensor:
+        x = self.src_embed(src, packing=packing)
         for layer in self.encoder:
-            x = layer(x, mask)
-        return x, mask
+            x = layer(x, mask, packing)
+        return x
 
     def decode(self, tgt_in: Tensor, memory: Tensor, src_mask: Tensor, *,
-               features_only: bool = False) -> Tensor:
+               features_only: bool = False, memory_packing: Packing | None = None) -> Tensor:
         """Teacher-forced decoder: tgt_in (B, T) -> logits (B, T, V), or with
         `features_only` the last layer's output (B, T, D) before the pre-softmax projection
-        (training projects it inside the loss: `aiayn.loss.generator_loss`).
+        (training projects it inside the loss: `aiayn.loss.generator_loss`). Positions
+        after a sentence's end mean nothing (mostly zeros when the batch was packed).
 
         Target padding needs no mask: it only ever follows real tokens, and the causal mask
         already keeps every real position from seeing later ones.
         """
-        y = self.tgt_embed(tgt_in)
+        packing = self.packing(tgt_in)
+        y = self.tgt_embed(tgt_in, packing=packing)
         for layer in self.decoder:
-            y = layer(y, memory, src_mask)
-        return y if features_only else self.generator(y)
+            y = layer(y, memory, src_mask, packing=packing, memory_packing=memory_packing)
+        if not features_only:
+            y = self.generator(y)
+        return y if packing is None else packing.unpack(y)
 
     def forward(self, src: Tensor, tgt_in: Tensor, *, features_only: bool = False) -> Tensor:
-        memory, mask = self.encode(src)
-        return self.decode(tgt_in, memory, mask, features_only=features_only)
+        mask = self.src_mask(src)
+        packing = self.packing(src)
+        memory = self._encode(src, mask, packing)  # the real rows, when packed
+        return self.decode(tgt_in, memory, mask, features_only=features_only,
+                           memory_packing=packing)
 
     # -- incremental decoding (section 6.1 inference) ---------------------------------
     def init_state(self, memory: Tensor, max_len: int) -> list[LayerState]:

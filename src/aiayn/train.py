@@ -40,7 +40,8 @@ log = logging.getLogger(__name__)
 RESUMABLE_CHANGES = {"max_steps", "max_minutes", "save_interval_steps", "save_interval_minutes",
                      "patience", "divergence", "divergence_window", "divergence_short",
                      "divergence_sigma", "divergence_lr_factor", "max_rollbacks",
-                     "keep_last", "valid_interval_steps", "log_interval_steps", "compile"}
+                     "keep_last", "valid_interval_steps", "log_interval_steps", "compile",
+                     "pack_padding"}
 OPTIMIZER_KEYS = {"warmup_steps", "lr_scale", "beta1", "beta2", "adam_eps", "clip_norm", "eps_ls",
                   "dtype"}
 DATALOADER_KEYS = {"max_tokens", "update_freq", "seed", "max_len", "max_len_ratio"}
@@ -316,6 +317,7 @@ class Trainer:
         self.dist.barrier()
         torch.manual_seed(self.cfg.train.seed)  # the same initial weights for a given seed
         self.model = Transformer(self.cfg.model).to(self.device)
+        self.model.pack_padding = None if self.cfg.train.pack_padding else False
         if self.cfg.train.compile:
             # in place: parameters and state_dict keys stay those of the plain model
             self.model.compile(dynamic=True)
@@ -517,8 +519,10 @@ class Trainer:
             loss_sum += float(loss.detach())
             nll_sum += float(nll)  # type: ignore[arg-type]  # None only on the OOM path
             src_tok += batch.src_tokens
-            flops += training_flops(self.cfg.model, batch.src.size(0), batch.src.size(1),
-                                    batch.tgt_in.size(1)) * (2 if t.rdrop_alpha > 0 else 1)
+            flops += training_flops(  # the model's work: the real tokens (model.Packing)
+                self.cfg.model, batch.src.size(0), batch.src.size(1), batch.tgt_in.size(1),
+                src_tokens=batch.src_tokens, tgt_tokens=batch.tgt_tokens,
+            ) * (2 if t.rdrop_alpha > 0 else 1)
             self.state.epoch, self.state.batch_in_epoch = epoch, pos
         if self.dist.active:  # every rank reports, and decides on, the same totals
             loss_sum, nll_sum, src_tok, flops = self.dist.all_sum(
