@@ -26,7 +26,7 @@ def forward_flops(cfg: ModelConfig, batch: int, S: int, T: int, *,
         batch, S, T: batch size, source and target lengths (padding included).
         src_tokens, tgt_tokens: the positions the position-wise products (projections,
             FFN, output layer) run on: the real (non-pad) tokens when the batch is packed
-            (`model.Packing`, the CPU's default), else B*S and B*T (the default here).
+            (`model.Packing`, when training on the CPU), else B*S and B*T (the default).
             The attention products Q K^T and weights x V are counted over the padded
             lengths, as they are computed.
     """
