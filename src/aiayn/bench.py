@@ -218,7 +218,8 @@ def bench_decode(preset: str = "base", dtype: str = "fp32", device: str = "cpu",
     else:
         t = statistics.median(_timed(run, 1, 1, dev))
     # Matrix products of the search: the encoder and its keys/values once per sentence,
-    # the decoder once per hypothesis and output position (counted as if teacher-forced).
+    # the decoder once per hypothesis and output position (counted as if teacher-forced);
+    # the encoder's for the real source tokens, as bench_train counts.
     mcfg, s_len = replace(cfg.model, vocab_size=vocab), src.size(1)
     n_src = int((src != PAD_ID).sum())
     encoder = forward_flops(mcfg, sentences, s_len, 0, src_tokens=n_src)

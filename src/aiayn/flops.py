@@ -24,9 +24,10 @@ def forward_flops(cfg: ModelConfig, batch: int, S: int, T: int, *,
     Args:
         cfg: the architecture (vocab_size must be set for the output projection).
         batch, S, T: batch size, source and target lengths (padding included).
-        src_tokens, tgt_tokens: the positions the position-wise products (projections,
-            FFN, output layer) run on: the real (non-pad) tokens when the batch is packed
-            (`model.Packing`, when training on the CPU), else B*S and B*T (the default).
+        src_tokens, tgt_tokens: the positions whose position-wise products (projections,
+            FFN, output layer) are counted: the real (non-pad) tokens, the model's work
+            (issue 5's convention; what the CPU computes when it trains with padding left
+            out, `model.Packing`), or by default every padded position, B*S and B*T.
             The attention products Q K^T and weights x V are counted over the padded
             lengths, as they are computed.
     """
