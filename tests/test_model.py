@@ -10,11 +10,13 @@ import torch
 from torch import nn
 
 from aiayn import model as model_mod
+from aiayn import native
 from aiayn.config import PAD_ID, PRESETS, ModelConfig
 from aiayn.model import (
     Dropout,
     KVCache,
     MultiHeadAttention,
+    PathKVCache,
     PositionwiseFeedForward,
     Transformer,
     attention_weights,
@@ -355,6 +357,104 @@ def test_kv_cache_reordering_equals_reordering_the_prefix():
     k = torch.randn(2, 2, 1, 3, dtype=torch.float64)
     assert torch.equal(cache.append(k, k)[0], torch.cat([ref_k, k], dim=2))
     assert cache.length == 4
+
+
+def test_path_kv_cache_reordering_equals_reordering_the_prefix():
+    """The compiled step's cache keeps each step's projection rows in place and follows a
+    path through them: after reorders between steps it holds exactly the rows the reorders
+    select (as `KVCache` does by copying), at the widths of the fused projection."""
+    h, d_k, d_v = 2, 3, 4
+    cache = PathKVCache(h, d_k, d_v, capacity=2)  # grows past two steps
+    width = h * (2 * d_k + d_v)
+    ref = torch.empty(4, 0, width, dtype=torch.float64)
+    for index in ([1, 1, 0, 3], [2, 0], [1, 0, 0]):  # shrinks to 2 rows, then grows to 3
+        rows = torch.randn(ref.size(0), width, dtype=torch.float64)
+        cache.add(rows)
+        ref = torch.cat([ref, rows[:, None]], dim=1)
+        k, v = cache.keys_values()
+        assert torch.equal(k.transpose(1, 2).flatten(2), ref[..., h * d_k:2 * h * d_k])
+        assert torch.equal(v.transpose(1, 2).flatten(2), ref[..., 2 * h * d_k:])
+        cache.reorder(torch.tensor(index))
+        ref = ref[index]
+    cache.reorder(torch.tensor([2, 0]))  # two reorders before the next step compose
+    ref = ref[[2, 0]]
+    cache.add(torch.zeros(2, width, dtype=torch.float64))
+    assert torch.equal(cache.keys_values()[0][:, :, :3], ref[..., h * d_k:2 * h * d_k]
+                       .unflatten(-1, (h, d_k)).transpose(1, 2))
+    assert cache.length == 4
+    with pytest.raises(ValueError, match="3 new rows for a cache of 2"):
+        cache.add(torch.zeros(3, width, dtype=torch.float64))
+
+
+def compiled_and_torch_steps(m: Transformer, dtype: torch.dtype, monkeypatch):  # type: ignore[no-untyped-def]
+    """Decoding steps with beam-style reorders, run with the compiled attention and with
+    PyTorch ops: both logits, per step."""
+    m = m.to(dtype)
+    src = torch.randint(4, 50, (3, 7))
+    src[1, 4:] = PAD_ID
+    runs = []
+    for compiled in (True, False):
+        g = torch.Generator().manual_seed(3)  # the same reorders and tokens both times
+        if not compiled:
+            monkeypatch.setattr(native, "attention_applies", lambda *a: False)
+        with torch.inference_mode():
+            memory, mask = m.encode(src)
+            states = m.init_state(memory, 4)  # fewer than the steps: the cache grows
+            assert isinstance(states[0].self_cache, PathKVCache) == compiled
+            rows, tokens, steps = torch.arange(3), torch.full((3, 1), 2), []
+            for i in range(6):
+                steps.append(m.decode_step(tokens, mask[rows], states))
+                # beam-like: 2 hypotheses per sentence from step 1 on, rows re-drawn
+                index = torch.randint(0, len(rows), (6,), generator=g) if i else \
+                    torch.arange(3).repeat_interleave(2)
+                for state in states:
+                    state.reorder(index)
+                rows, tokens = rows[index], torch.randint(4, 50, (6, 1), generator=g)
+        runs.append(steps)
+    return runs
+
+
+@pytest.mark.skipif(native.library() is None, reason="no compiled library")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_decoding_steps_equal_pytorch_ops(dtype, monkeypatch):
+    """Decoding steps on the CPU (no gradients) attend with the compiled kernels: the same
+    logits as PyTorch's ops through reorders, within float32 rounding (bf16: the C code
+    rounds once where PyTorch rounds scores and weights to bf16 too)."""
+    compiled, torch_ops = compiled_and_torch_steps(small_model(d_k=8, d_v=8).float(), dtype,
+                                                   monkeypatch)
+    for a, b in zip(compiled, torch_ops, strict=True):
+        if dtype == torch.float32:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        else:  # logits of ~N(0, 1): bf16's step near 1 is 2^-7
+            assert (a.float() - b.float()).abs().max() < 0.1
+
+
+@pytest.mark.skipif(native.library() is None, reason="no compiled library")
+def test_compiled_decoding_records_attention_weights_with_pytorch_ops():
+    """A picture of the weights during a decoding step reads the compiled cache."""
+    m = small_model().float()
+    src = torch.randint(4, 50, (2, 5))
+    for layer in m.decoder:
+        layer.self_attn.record_weights = layer.cross_attn.record_weights = True
+    with torch.inference_mode():
+        memory, mask = m.encode(src)
+        states = m.init_state(memory, 5)
+        assert isinstance(states[0].self_cache, PathKVCache)
+        for t in range(3):
+            m.decode_step(torch.full((2, 1), 4 + t), mask, states)
+    w = m.decoder[0].self_attn.last_weights
+    assert w.shape == (2, 4, 1, 3)
+    torch.testing.assert_close(w.sum(-1), torch.ones(2, 4, 1))
+    assert m.decoder[0].cross_attn.last_weights.shape == (2, 4, 1, 5)
+
+
+def test_compiled_decoding_only_without_gradients_on_the_cpu():
+    x = torch.zeros(2, 3)
+    applies = native.attention_applies(torch.float32, 4, 8, 8)
+    with torch.no_grad():
+        assert model_mod.compiled_decoding(x, 4, 8, 8) == applies
+        assert not model_mod.compiled_decoding(x.double(), 4, 8, 8)
+    assert not model_mod.compiled_decoding(x, 4, 8, 8)  # gradients on: PyTorch ops
 
 
 needs_fused_ffn = pytest.mark.skipif(not model_mod.fused_linear_relu_available(),

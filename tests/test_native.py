@@ -135,7 +135,7 @@ def fresh_library(monkeypatch: pytest.MonkeyPatch, tmp_path):  # type: ignore[no
 @needs_cc
 def test_built_once_into_the_cache_dir(fresh_library) -> None:  # type: ignore[no-untyped-def]
     assert native.library() is not None
-    (built,) = fresh_library.glob("beam_step-*.so")
+    (built,) = fresh_library.glob("native-*.so")
     stamp = built.stat().st_mtime_ns
     native.library.cache_clear()
     assert native.library() is not None
@@ -185,9 +185,123 @@ def test_best_next_tokens_same_either_way(dtype: torch.dtype, monkeypatch) -> No
 @needs_cc
 def test_a_damaged_cached_library_is_built_again(fresh_library) -> None:  # type: ignore[no-untyped-def]
     assert native.library() is not None
-    (built,) = fresh_library.glob("beam_step-*.so")
+    (built,) = fresh_library.glob("native-*.so")
     built.unlink()  # a new file: this process still maps the old one
     built.write_bytes(b"not a shared object")
     native.library.cache_clear()
     assert native.library() is not None
     assert native.lse_topk(torch.randn(2, 100), 2, ()) is not None
+
+
+# ------------------------------------------------------------------ decoding attention
+def eq1(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Eq. 1 in float64 for one query per row: q (R, H, K), k (R, H, t, K), v (R, H, t, Vd),
+    mask (R, t) -> (R, H, Vd)."""
+    q, k, v = q.double(), k.double(), v.double()
+    scores = torch.einsum("rhd,rhtd->rht", q, k) / q.size(-1) ** 0.5
+    if mask is not None:
+        scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
+    return torch.einsum("rht,rhtd->rhd", scores.softmax(-1), v)
+
+
+def cached_case(dtype: torch.dtype, h: int, d_k: int, d_v: int, rows: list[int],
+                seed: int) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Position tables as a beam search leaves them (rows per step `rows`, the last the
+    current batch), a random path through them, and the queries."""
+    g = torch.Generator().manual_seed(seed)
+    width = h * (2 * d_k + d_v)
+    tables = [(torch.randn(n, width, generator=g) * 2).to(dtype) for n in rows]
+    r = rows[-1]
+    path = torch.stack([torch.randint(0, n, (r,), generator=g) for n in rows], dim=1)
+    path[:, -1] = torch.arange(r)  # the newest position: each row's own
+    q = (torch.randn(r, h * d_k, generator=g) * 2).to(dtype)
+    return tables, path, q
+
+
+def cached_reference(tables: list[torch.Tensor], path: torch.Tensor, q: torch.Tensor,
+                     h: int, d_k: int, d_v: int) -> torch.Tensor:
+    hk = h * d_k
+    rows = torch.stack([t[path[:, i]] for i, t in enumerate(tables)], dim=1)  # (R, t, W)
+    k = rows[..., hk:2 * hk].unflatten(-1, (h, d_k)).transpose(1, 2)
+    v = rows[..., 2 * hk:].unflatten(-1, (h, d_v)).transpose(1, 2)
+    return eq1(q.view(-1, h, d_k), k, v).flatten(1)
+
+
+def run_cached(tables: list[torch.Tensor], path: torch.Tensor, q: torch.Tensor,
+               h: int, d_k: int, d_v: int) -> torch.Tensor:
+    addresses = torch.tensor([t.data_ptr() for t in tables], dtype=torch.int64)
+    hk = h * d_k
+    return native.cached_attention(q, addresses, tables[0].stride(0), hk, 2 * hk,
+                                   path.contiguous(), h, d_k, d_v)
+
+
+# bf16 inputs: the C code computes in float32 and rounds the output once (2^-9 relative)
+TOL = {torch.float32: {"atol": 2e-6, "rtol": 2e-6}, torch.bfloat16: {"atol": 0, "rtol": 2**-8}}
+
+
+@needs_cc
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("h,d_k,d_v", [(4, 64, 64), (2, 32, 32), (3, 24, 40), (1, 128, 128)])
+def test_cached_attention_is_eq1(dtype: torch.dtype, h: int, d_k: int, d_v: int) -> None:
+    """Self-attention of a decoding step over positions whose rows a beam reordered:
+    Eq. 1 in float64 on the same (bf16-rounded) inputs, for the specialised head sizes
+    (64, 32, 128) and another (d_k != d_v)."""
+    tables, path, q = cached_case(dtype, h, d_k, d_v, [3, 12, 12, 7, 9, 9], seed=h + d_k)
+    got = run_cached(tables, path, q, h, d_k, d_v)
+    assert got.dtype == dtype and got.shape == (9, h * d_v)
+    want = cached_reference(tables, path, q, h, d_k, d_v)
+    torch.testing.assert_close(got.double(), want, **TOL[dtype])
+
+
+@needs_cc
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("g", [1, 4])
+@pytest.mark.parametrize("h,d_k,d_v", [(4, 64, 64), (3, 24, 40)])
+def test_memory_attention_is_eq1_under_the_source_mask(dtype: torch.dtype, g: int, h: int,
+                                                       d_k: int, d_v: int) -> None:
+    """Encoder-decoder attention of a decoding step: a sentence's g rows attend to its
+    keys/values (kept once) under its padding mask; padded positions get no weight."""
+    gen = torch.Generator().manual_seed(g + h)
+    a, s = 5, 11
+    k = (torch.randn(a, h, s, d_k, generator=gen) * 2).to(dtype)
+    v = (torch.randn(a, h, s, d_v, generator=gen) * 2).to(dtype)
+    v[1, :, 6:] = 1e4  # behind sentence 1's padding: any weight there would show
+    lengths = torch.tensor([11, 6, 1, 9, 11])
+    mask = (torch.arange(s) < lengths[:, None]).repeat_interleave(g, 0)  # (a*g, s)
+    q = (torch.randn(a * g, h * d_k, generator=gen) * 2).to(dtype)
+    got = native.memory_attention(q, k, v, mask)
+    want = eq1(q.view(-1, h, d_k), k.repeat_interleave(g, 0), v.repeat_interleave(g, 0),
+               mask).flatten(1)
+    torch.testing.assert_close(got.double(), want, **TOL[dtype])
+
+
+@needs_cc
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decoding_attention_rows_do_not_depend_on_the_batch_or_threads(
+        dtype: torch.dtype) -> None:
+    h, d_k = 4, 64
+    tables, path, q = cached_case(dtype, h, d_k, d_k, [80, 80, 80], seed=5)
+    gen = torch.Generator().manual_seed(6)
+    k = torch.randn(20, h, 7, d_k, generator=gen).to(dtype)
+    mask = torch.ones(80, 7, dtype=torch.bool)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        both = run_cached(tables, path, q, h, d_k, d_k), native.memory_attention(q, k, k, mask)
+        torch.set_num_threads(1)
+        one = run_cached(tables, path, q, h, d_k, d_k), native.memory_attention(q, k, k, mask)
+        alone = run_cached(tables, path[41:42], q[41:42], h, d_k, d_k)
+        sentence = native.memory_attention(q[40:44], k[10:11], k[10:11], mask[40:44])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(both[0], one[0]) and torch.equal(both[1], one[1])
+    assert torch.equal(alone[0], one[0][41]) and torch.equal(sentence, one[1][40:44])
+
+
+def test_decoding_attention_applies_only_where_the_c_code_can(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    assert not native.attention_applies(torch.float64, 4, 64, 64)
+    assert not native.attention_applies(torch.float16, 4, 64, 64)
+    assert not native.attention_applies(torch.float32, 4, 2048, 64)  # d_k over MAX_D
+    monkeypatch.setattr(native, "library", lambda: None)
+    assert not native.attention_applies(torch.float32, 4, 64, 64)

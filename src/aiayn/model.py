@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from aiayn import kernels
+from aiayn import kernels, native
 from aiayn.config import PAD_ID, ModelConfig
 
 
@@ -230,16 +230,26 @@ class MultiHeadAttention(nn.Module):
         """
         if self.self_attention:
             qkv = self.w_qkv(x)
+            if isinstance(cache, PathKVCache):  # a decoding step on the CPU: compiled Eq. 1
+                rows = qkv.squeeze(1)  # (B, H*(2K+Vd)): one new position per row
+                cache.add(rows)
+                if not self.record_weights:
+                    return self.w_o(cache.attend(rows[:, :self.h * self.d_k]).unsqueeze(1))
             if packing is not None:
                 qkv = packing.unpack(qkv)
             q, k, v = qkv.split(
                 [self.h * self.d_k, self.h * self.d_k, self.h * self.d_v], dim=-1)
             q, k, v = self._split(q, self.d_k), self._split(k, self.d_k), self._split(v, self.d_v)
-            if cache is not None:
-                k, v = cache.append(k, v)
+            if cache is not None:  # (for a picture of the weights, PyTorch ops read `PathKVCache`)
+                k, v = cache.keys_values() if isinstance(cache, PathKVCache) else cache.append(k, v)
                 causal = causal and q.size(2) > 1  # a single new query may see all the past
         else:
             q = self.w_q(x)
+            if (kv is not None and mask is not None and q.size(1) == 1 and not self.record_weights
+                    and compiled_decoding(q, self.h, self.d_k, self.d_v)):
+                # a decoding step on the CPU: compiled Eq. 1 over each sentence's keys/values
+                out = native.memory_attention(q.squeeze(1), *kv, mask.flatten(1).contiguous())
+                return self.w_o(out.unsqueeze(1))
             q = self._split(q if packing is None else packing.unpack(q), self.d_k)
             k, v = kv if kv is not None else \
                 self.project_kv(memory, memory_packing)  # type: ignore[arg-type]
@@ -317,6 +327,76 @@ class KVCache:
 
     def reorder(self, index: Tensor) -> None:
         """Keep the rows `index` (beam search reordering); applied at the next append."""
+        self._index = index if self._index is None else self._index.index_select(0, index)
+
+
+def compiled_decoding(x: Tensor, h: int, d_k: int, d_v: int) -> bool:
+    """Whether a decoding step on `x` attends with the compiled kernels (`native`): on the
+    CPU, without gradients (they have no backward), for float32 and bf16."""
+    return (x.device.type == "cpu" and not torch.is_grad_enabled()
+            and native.attention_applies(x.dtype, h, d_k, d_v))
+
+
+class PathKVCache:
+    """Self-attention keys and values for the compiled decoding step
+    (`native.cached_attention`): each step's fused projection output (B, H*(2K+Vd)) stays
+    where it was written, and `path` (B, steps) says which row of each step's table holds
+    a hypothesis's key and value. A beam reordering permutes `path`, 8 bytes a row and
+    step, where `KVCache` copies the whole cache.
+    """
+
+    def __init__(self, h: int, d_k: int, d_v: int, capacity: int = 64) -> None:
+        self.h, self.d_k, self.d_v = h, d_k, d_v
+        self.tables: list[Tensor] = []  # step i's projection output, (B_i, H*(2K+Vd))
+        self.addresses = torch.empty(max(1, capacity), dtype=torch.int64)  # of the tables
+        self.path: Tensor | None = None  # (B, capacity) int64
+        self._index: Tensor | None = None  # rows to keep, not yet applied
+
+    @property
+    def length(self) -> int:
+        return len(self.tables)
+
+    def add(self, rows: Tensor) -> None:
+        """The newest position: row i of `rows` belongs to hypothesis row i."""
+        t, b = len(self.tables), rows.size(0)
+        if rows.stride(1) != 1 or rows.size(1) != self.h * (2 * self.d_k + self.d_v):
+            raise ValueError(f"expected rows of the fused projection, got {tuple(rows.shape)}")
+        if t == self.addresses.numel():  # more steps than planned: twice the room
+            self.addresses = torch.cat([self.addresses, torch.empty_like(self.addresses)])
+            if self.path is not None:
+                self.path = torch.cat([self.path, torch.empty_like(self.path)], dim=1)
+        if self.path is None:
+            self.path = torch.empty(b, self.addresses.numel(), dtype=torch.int64)
+        elif self._index is not None:
+            self.path = self.path.index_select(0, self._index)
+        if self.path.size(0) != b:
+            raise ValueError(f"{b} new rows for a cache of {self.path.size(0)}")
+        self.path[:, t] = torch.arange(b)
+        self.tables.append(rows)
+        self.addresses[t] = rows.data_ptr()
+        self._index = None
+
+    def attend(self, q: Tensor) -> Tensor:
+        """Eq. 1 for the newest query of each row, q (B, H*K), over all its positions:
+        (B, H*Vd)."""
+        hk = self.h * self.d_k
+        return native.cached_attention(
+            q, self.addresses[:self.length], self.tables[-1].stride(0), hk, 2 * hk,
+            self.path, self.h, self.d_k, self.d_v)  # type: ignore[arg-type]
+
+    def keys_values(self) -> tuple[Tensor, Tensor]:
+        """The cached keys and values as `KVCache` holds them, (B, H, t, K) and
+        (B, H, t, Vd), for PyTorch ops (a picture of the attention weights)."""
+        assert self.path is not None
+        hk = self.h * self.d_k
+        rows = torch.stack([table.index_select(0, self.path[:, i])
+                            for i, table in enumerate(self.tables)], dim=1)  # (B, t, .)
+        k = rows[..., hk:2 * hk].unflatten(-1, (self.h, self.d_k)).transpose(1, 2)
+        v = rows[..., 2 * hk:].unflatten(-1, (self.h, self.d_v)).transpose(1, 2)
+        return k, v
+
+    def reorder(self, index: Tensor) -> None:
+        """Keep the rows `index` (beam search reordering); applied at the next `add`."""
         self._index = index if self._index is None else self._index.index_select(0, index)
 
 
@@ -420,7 +500,7 @@ class EncoderLayer(nn.Module):
 class LayerState:
     """Incremental state of one decoder layer: its self-attention cache and the encoder K/V."""
 
-    self_cache: KVCache
+    self_cache: KVCache | PathKVCache
     memory_kv: tuple[Tensor, Tensor]
 
     def reorder(self, index: Tensor, sentences: Tensor | None = None) -> None:
@@ -605,14 +685,17 @@ class Transformer(nn.Module):
     def init_state(self, memory: Tensor, max_len: int) -> list[LayerState]:
         """Per-layer state for incremental decoding: encoder K/V once, empty self caches.
 
-        `max_len` (the output cap) is part of the search protocol; this cache grows as it
-        goes and does not need it.
+        On the CPU without gradients (decoding), attention runs compiled (`PathKVCache`,
+        `native`), else with PyTorch ops (`KVCache`). `max_len`, the output cap, sizes
+        `PathKVCache`'s tables of addresses (they grow if it is exceeded).
         """
-        b = memory.size(0)
+        b, cfg = memory.size(0), self.cfg
+        compiled = compiled_decoding(memory, cfg.h, cfg.d_k, cfg.d_v)
         states = []
         for layer in cast(Iterable[DecoderLayer], self.decoder):
-            cache = KVCache(b, self.cfg.h, self.cfg.d_k, self.cfg.d_v, memory.device,
-                            memory.dtype)
+            cache: KVCache | PathKVCache = (
+                PathKVCache(cfg.h, cfg.d_k, cfg.d_v, max_len) if compiled
+                else KVCache(b, cfg.h, cfg.d_k, cfg.d_v, memory.device, memory.dtype))
             # contiguous once here, or the CPU's bf16 matrix products copy them every step
             k, v = layer.cross_attn.project_kv(memory)
             states.append(LayerState(cache, (k.contiguous(), v.contiguous())))

@@ -1,6 +1,7 @@
-"""The beam step's normaliser and top-k in compiled code on the CPU (csrc/beam_step.c).
+"""Compiled code for decoding on the CPU: the beam step's normaliser and top-k
+(csrc/beam_step.c) and the decoding step's attention (csrc/decode_attention.c).
 
-Why: each beam-search step turns the model's (rows, V) next-token logits into every
+Why the beam step: each beam-search step turns the model's (rows, V) next-token logits into every
 row's k best log-probabilities: log P = logit - logsumexp(logits). With PyTorch ops that is
 a bf16 -> float32 copy of the table, `logsumexp` (a max pass, a subtract, exp, a sum) and
 `search.row_topk` (a block-max pass, a gather, two top-ks): five or more passes over a
@@ -8,12 +9,21 @@ table of 10 MB (256 rows x 10,000 tokens), ~4.6 ms a step on one thread, a large
 a small model's search. The C code reads each row once into a buffer that stays in
 cache and does all of it there (~1.3 ms for that table; docs/performance.md).
 
+Why the attention: a decoding step attends from one new query per row, and written with
+PyTorch ops that is a few batched products of thousands of (1 x d_k) x (d_k x t)
+matrices (oneDNN's and MKL's calls cost 100-250 us each at these sizes), a softmax, and,
+with a key/value cache, a copy of the whole cache into a buffer one position longer every
+step (gathered by the beam's reordering). `cached_attention` leaves each step's keys and
+values where the projection wrote them and follows a per-row table of which row held the
+hypothesis at each position, so a reordering permutes that small table only;
+`memory_attention` attends to the encoder's keys and values, stored once per sentence.
+
 Built on first use with the system's C compiler (`$CC`, else `cc`) for this CPU
 (`-march=native`), cached under `$AIAYN_CACHE_DIR` (default `~/.cache/aiayn`) by a key of
 the source, the flags, the compiler and the CPU's feature flags, and loaded with ctypes.
-Without a compiler, if the build fails, or with `AIAYN_NO_NATIVE=1`, `lse_topk` returns
-None and the caller uses the PyTorch ops: the same tokens up to float rounding of the
-normaliser (tests/test_native.py compares the two).
+Without a compiler, if the build fails, or with `AIAYN_NO_NATIVE=1`, `library()` is None
+and the callers use PyTorch ops: the same results up to float rounding
+(tests/test_native.py compares them).
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -36,15 +47,26 @@ from torch import Tensor
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "beam_step.c"
+CSRC = Path(__file__).with_name("csrc")
+#: Compiled together into one library; the header is part of its cache key.
+SOURCES = (CSRC / "beam_step.c", CSRC / "decode_attention.c")
+HEADERS = (CSRC / "simd_math.h", CSRC / "decode_attention_kernels.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
          "-fPIC", "-shared")
 #: Below this many rows a second thread costs more than it saves.
 MIN_ROWS_PER_THREAD = 32
 
-_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-         ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-         ctypes.c_void_p]
+_P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+_SIGNATURES = {
+    "aiayn_lse_topk": [_P, _I64, _I64, _I64, _I64, _INT, _P, _INT, _P, _P, _P],
+    "aiayn_cached_attention": [_P, _I64, _P, _I64, _I64, _I64, _P, _I64, _I64, _I64, _I64,
+                               _INT, _INT, _INT, _F, _P, _P, _I64],
+    "aiayn_memory_attention": [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _INT,
+                               _INT, _INT, _F, _P, _P, _I64],
+}
+#: Sizes the attention kernels take at most (MAX_D, MAX_ROW, MAX_HEADS in the C code):
+#: d_k and d_v; h*d_k, h*d_v and (rows per sentence)*d_v; h and rows per sentence.
+MAX_HEAD_DIM, MAX_ROW, MAX_HEADS = 1024, 8192, 256
 
 
 def cache_dir() -> Path:
@@ -71,7 +93,7 @@ def _build(compiler: str, out: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True,
+        subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], check=True,
                        capture_output=True, text=True, timeout=120)
         os.replace(tmp, out)
     finally:
@@ -88,11 +110,12 @@ def library() -> ctypes.CDLL | None:
         return None
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
-        logger.info("no C compiler found: beam search normalises with PyTorch ops")
+        logger.info("no C compiler found: decoding uses PyTorch ops only")
         return None
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(FLAGS).encode(),
-                                     compiler.encode(), _cpu_flags().encode()]))
-    path = cache_dir() / f"beam_step-{key.hexdigest()[:16]}.so"
+    key = hashlib.sha256(b"\0".join([*(f.read_bytes() for f in SOURCES + HEADERS),
+                                     " ".join(FLAGS).encode(), compiler.encode(),
+                                     _cpu_flags().encode()]))
+    path = cache_dir() / f"native-{key.hexdigest()[:16]}.so"
     try:
         if not path.exists():
             _build(compiler, path)
@@ -104,12 +127,13 @@ def library() -> ctypes.CDLL | None:
             lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as e:
         lines = (getattr(e, "stderr", None) or str(e)).strip().splitlines()
-        logger.warning("building %s failed (%s): beam search normalises with PyTorch ops",
-                       SOURCE.name, lines[-1] if lines else type(e).__name__)
+        logger.warning("building %s failed (%s): decoding uses PyTorch ops only",
+                       " ".join(f.name for f in SOURCES), lines[-1] if lines else type(e).__name__)
         return None
-    for name in ("aiayn_lse_topk_bf16", "aiayn_lse_topk_f32"):
-        getattr(lib, name).argtypes = _ARGS
-        getattr(lib, name).restype = None
+    for stem, args in _SIGNATURES.items():
+        for suffix in ("bf16", "f32"):
+            fn = getattr(lib, f"{stem}_{suffix}")
+            fn.argtypes, fn.restype = args, None
     return lib
 
 
@@ -121,7 +145,7 @@ def _helper() -> ThreadPoolExecutor:
     thread does not exist there)."""
     global _helper_of
     if _helper_of is None or _helper_of[0] != os.getpid():
-        _helper_of = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="aiayn-lse-topk"))
+        _helper_of = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="aiayn-native"))
     return _helper_of[1]
 
 
@@ -155,18 +179,89 @@ def lse_topk(logits: Tensor, k: int, exclude: tuple[int, ...]) -> tuple[Tensor, 
     fn = lib.aiayn_lse_topk_bf16 if logits.dtype == torch.bfloat16 else lib.aiayn_lse_topk_f32
     val = torch.empty(r, k, dtype=torch.float32)
     idx = torch.empty(r, k, dtype=torch.int64)
-    parts = 2 if torch.get_num_threads() > 1 and r >= 2 * MIN_ROWS_PER_THREAD else 1
-    bufs = torch.empty(parts, v, dtype=torch.float32)
-    bounds = [r * i // parts for i in range(parts + 1)]
+    bufs = torch.empty(2, v, dtype=torch.float32)
 
-    def run(i: int) -> None:
-        fn(logits.data_ptr(), bounds[i], bounds[i + 1], v, logits.stride(0), k,
-           excl.data_ptr(), len(excl), bufs[i].data_ptr(), val.data_ptr(), idx.data_ptr())
+    def run(part: int, r0: int, r1: int) -> None:
+        fn(logits.data_ptr(), r0, r1, v, logits.stride(0), k, excl.data_ptr(), len(excl),
+           bufs[part].data_ptr(), val.data_ptr(), idx.data_ptr())
 
-    if parts == 1:
-        run(0)
-    else:
-        other = _helper().submit(run, 1)
-        run(0)
-        other.result()
+    _in_two_parts(r, MIN_ROWS_PER_THREAD, run)
     return val, idx
+
+
+def _in_two_parts(n: int, min_per_thread: int, run: Callable[[int, int, int], None]) -> None:
+    """run(part, start, stop) over [0, n): as two halves, the second on the helper thread,
+    when PyTorch has more than one intra-op thread and each half gets `min_per_thread`."""
+    if torch.get_num_threads() < 2 or n < 2 * min_per_thread:
+        run(0, 0, n)
+        return
+    other = _helper().submit(run, 1, n // 2, n)
+    run(0, 0, n // 2)
+    other.result()
+
+
+def attention_applies(dtype: torch.dtype, h: int, d_k: int, d_v: int) -> bool:
+    """Whether `cached_attention` / `memory_attention` take tensors of this type and
+    these head sizes (and the library is there)."""
+    return (dtype in (torch.float32, torch.bfloat16) and max(d_k, d_v) <= MAX_HEAD_DIM
+            and h * max(d_k, d_v) <= MAX_ROW and h <= MAX_HEADS and library() is not None)
+
+
+def _suffix(dtype: torch.dtype) -> str:
+    return "bf16" if dtype == torch.bfloat16 else "f32"
+
+
+def cached_attention(q: Tensor, positions: Tensor, ld: int, k_off: int, v_off: int,
+                     path: Tensor, h: int, d_k: int, d_v: int) -> Tensor:
+    """Eq. 1 for one new query per row over its cached keys and values: (R, h*d_v).
+
+    q: (R, h*d_k), unit column stride. positions: (t,) int64, the address of each
+    position's table (rows of one width `ld`, of q's type; head i's key at columns
+    k_off + i*d_k, its value at v_off + i*d_v), kept alive by the caller. path: (R, >= t)
+    int64, unit column stride: row r's key and value at position i are in row path[r, i]
+    of position i's table. Check `attention_applies` first.
+    """
+    lib = library()
+    assert lib is not None and q.stride(1) == 1 and path.stride(1) == 1 and v_off > k_off
+    fn = getattr(lib, f"aiayn_cached_attention_{_suffix(q.dtype)}")
+    r, t = q.size(0), positions.numel()
+    out = q.new_empty(r, h * d_v)
+    scratch = torch.empty(2, h * t, dtype=torch.float32)
+
+    def run(part: int, r0: int, r1: int) -> None:
+        fn(q.data_ptr(), q.stride(0), positions.data_ptr(), ld, k_off, v_off,
+           path.data_ptr(), path.stride(0), t, r0, r1, h, d_k, d_v, d_k ** -0.5,
+           scratch[part].data_ptr(), out.data_ptr(), out.stride(0))
+
+    _in_two_parts(r, MIN_ROWS_PER_THREAD, run)
+    return out
+
+
+def memory_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """Eq. 1 for one new query per row over its sentence's encoder keys and values,
+    which are stored once per sentence: (R, h*d_v).
+
+    q: (R, h*d_k), unit column stride, R = A*g rows, sentence-major. k: (A, h, S, d_k),
+    v: (A, h, S, d_v), contiguous. mask: (R, S) bool, unit column stride, True = may attend
+    (rows of one sentence share its mask; at least one True each). Check
+    `attention_applies` first.
+    """
+    lib = library()
+    a, h, s, d_k = k.shape
+    d_v = v.size(-1)
+    g = q.size(0) // a
+    if g * max(d_k, d_v) > MAX_ROW or g > MAX_HEADS:
+        raise ValueError(f"{g} rows per sentence: more than the compiled kernel takes")
+    assert lib is not None and g * a == q.size(0) and q.stride(1) == 1
+    assert k.is_contiguous() and v.is_contiguous() and mask.stride(1) == 1
+    fn = getattr(lib, f"aiayn_memory_attention_{_suffix(q.dtype)}")
+    out = q.new_empty(q.size(0), h * d_v)
+    scratch = torch.empty(2, g * s, dtype=torch.float32)
+
+    def run(part: int, a0: int, a1: int) -> None:
+        fn(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), mask.data_ptr(),
+           g * mask.stride(0), a0, a1, g, s, h, d_k, d_v, d_k ** -0.5,
+           scratch[part].data_ptr(), out.data_ptr(), out.stride(0))
+
+    _in_two_parts(a, max(1, MIN_ROWS_PER_THREAD // g), run)
+    return out

@@ -14,36 +14,9 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "simd_math.h"
+
 #define CHUNK 64
-
-static inline float bf16_to_float(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* exp(x) for x <= 0: Cody-Waite range reduction and Cephes' expf polynomial (relative error
- * ~1e-7), branch-free so that the loop calling it is vectorised. Below -87 it returns
- * exp(-87) ~ 1.6e-38 instead of a smaller number or 0: nothing next to the row's maximum
- * term, which is exp(0) = 1. */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    float n = __builtin_rintf(x * 1.44269504088896341f);
-    float r = x - n * 0.693359375f;
-    r = r + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    float y = p * r * r + r + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return y * scale;
-}
 
 /* Insert (v, col) into the sorted list val[0..k-1] (largest first), dropping the last. */
 static inline void insert(float v, int64_t col, int k, float *val, int64_t *idx) {

@@ -1,0 +1,90 @@
+/* Eq. 1 for one decoding step on the CPU: one new query per row (see native.py).
+ *
+ * softmax(q K^T / sqrt(d_k)) V for each row and head, computed in float32 from bf16 or
+ * float32 inputs and rounded once, at the end, to the inputs' type. Two cases:
+ *
+ * - cached (decoder self-attention): row r's key and value at position i are in row
+ *   path[r][i] of that position's table, which holds the K and V columns of the step's
+ *   fused projection. A beam reordering only permutes the small path table; nothing
+ *   cached is copied or moved (PyTorch's version gathers the whole cache into a new
+ *   buffer every step).
+ * - memory (encoder-decoder attention): the g rows of sentence a attend to its keys and
+ *   values (A, H, S, d), stored once per sentence, under its source mask.
+ *
+ * Written out as loops because a step's attention is thousands of products of one query
+ * row (1 x d_k x t): a batched matrix-product call costs ~100-250 us of fixed overhead
+ * here, for arithmetic that takes a few. Each row is computed on its own, in the same
+ * order whatever the other rows are, so results do not depend on the batch.
+ *
+ * The kernels are written once (decode_attention_kernels.h) and instantiated for float32
+ * and bf16 below.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "simd_math.h"
+
+/* Sizes at most, checked by native.py before calling: d_k and d_v of one head; h*d_k,
+ * h*d_v and g*d_v; h and g. */
+#define MAX_D 1024
+#define MAX_ROW 8192
+#define MAX_HEADS 256
+/* Positions ahead whose cached rows are prefetched (they lie scattered in memory). */
+#define PREFETCH 2
+
+/* Round to nearest even, as PyTorch's float -> bf16 conversion; NaN stays NaN. */
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float float_id(float x) { return x; }
+
+static inline __attribute__((always_inline)) float dot_ff(const float *q, const float *k,
+                                                           int d) {
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int j = 0; j < d; j++) s += q[j] * k[j];
+    return s;
+}
+
+static inline __attribute__((always_inline)) void axpy_ff(float *acc, float w,
+                                                           const float *v, int d) {
+#pragma omp simd
+    for (int j = 0; j < d; j++) acc[j] += w * v[j];
+}
+
+/* Softmax of s[0..n) in place, up to the factor 1 / sum that it returns. At least one
+ * entry is finite; one at -inf adds exp(-87) ~ 1.6e-38 to the sum (exp_nonpositive),
+ * nothing next to the largest entry's 1, and its caller gives it no weight. */
+static inline float softmax_in_place(float *s, int64_t n) {
+    float m = -INFINITY;
+    for (int64_t i = 0; i < n; i++) m = s[i] > m ? s[i] : m;
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n; i++) {
+        s[i] = exp_nonpositive(s[i] - m);
+        sum += s[i];
+    }
+    return 1.0f / sum;
+}
+
+#define T float
+#define SUFFIX f32
+#define LOAD float_id
+#define STORE float_id
+#include "decode_attention_kernels.h"
+#undef T
+#undef SUFFIX
+#undef LOAD
+#undef STORE
+
+#define T uint16_t
+#define SUFFIX bf16
+#define LOAD bf16_to_float
+#define STORE float_to_bf16
+#include "decode_attention_kernels.h"
