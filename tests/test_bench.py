@@ -73,6 +73,7 @@ def test_bench_train_and_decode_report_the_protocol_fields():
     decode = bench_decode("tiny", "fp32", beam=2, out_len=5, sentences=6, batch=4, vocab=200)
     assert decode["sentences_per_s"] > 0 and decode["sentences"] == 6
     assert decode["native_beam_step"] == (native.library() is not None)
+    assert decode["native_attention"] == (native.library() is not None)
 
 
 def test_compare_table_ratios_use_each_peers_best_round():

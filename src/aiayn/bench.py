@@ -228,8 +228,11 @@ def bench_decode(preset: str = "base", dtype: str = "fp32", device: str = "cpu",
     result = {"bench": "decode", "preset": preset, "dtype": dtype, "device": device,
               "beam": beam, "alpha": alpha, "out_len": out_len, "sentences": sentences,
               "workers": workers,
-              # the beam step's compiled normaliser and top-k (aiayn/native.py) in use
+              # the compiled beam step (normaliser, top-k) and attention (aiayn/native.py)
               "native_beam_step": beam > 1 and dev.type == "cpu" and native.library() is not None,
+              "native_attention": dev.type == "cpu" and native.attention_applies(
+                  torch.bfloat16 if dtype == "bf16" else torch.float32, cfg.model.h,
+                  cfg.model.d_k, cfg.model.d_v),
               "batch_sentences": batch, "seconds": t, "sentences_per_s": sentences / t,
               "model_tflops": flops / t / 1e12, "max_rss_gib": max_rss_gib()}
     if p is not None:
