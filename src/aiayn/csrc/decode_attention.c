@@ -58,19 +58,25 @@ static inline __attribute__((always_inline)) void axpy_ff(float *acc, float w,
     for (int j = 0; j < d; j++) acc[j] += w * v[j];
 }
 
-/* Softmax of s[0..n) in place, up to the factor 1 / sum that it returns. At least one
- * entry is finite; one at -inf adds exp(-87) ~ 1.6e-38 to the sum (exp_nonpositive),
- * nothing next to the largest entry's 1, and its caller gives it no weight. */
-static inline float softmax_in_place(float *s, int64_t n) {
-    float m = -INFINITY;
-    for (int64_t i = 0; i < n; i++) m = s[i] > m ? s[i] : m;
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < n; i++) {
-        s[i] = exp_nonpositive(s[i] - m);
-        sum += s[i];
+/* Softmax of each of `rows` segments of n entries (s[r*n .. r*n+n)), in place, up to the
+ * factor inv[r] = 1 / its sum. The exponentials run over all segments as one flat,
+ * vectorised loop: a segment is as short as the positions decoded so far or a sentence's
+ * source length, too short to fill vectors on its own. At least one entry of each
+ * segment is finite; one at -inf adds exp(-87) ~ 1.6e-38 to its sum (exp_nonpositive),
+ * nothing next to the largest entry's 1, and the caller gives it no weight. */
+static inline void softmax_rows(float *s, int64_t rows, int64_t n, float *inv) {
+    for (int64_t r = 0; r < rows; r++) {
+        float *x = s + r * n, m = -INFINITY;
+        for (int64_t i = 0; i < n; i++) m = x[i] > m ? x[i] : m;
+        for (int64_t i = 0; i < n; i++) x[i] -= m;
     }
-    return 1.0f / sum;
+#pragma omp simd
+    for (int64_t i = 0; i < rows * n; i++) s[i] = exp_nonpositive(s[i]);
+    for (int64_t r = 0; r < rows; r++) {
+        float sum = 0.0f;
+        for (int64_t i = 0; i < n; i++) sum += s[r * n + i];
+        inv[r] = 1.0f / sum;
+    }
 }
 
 #define T float

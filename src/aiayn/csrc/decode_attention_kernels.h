@@ -48,7 +48,7 @@ INLINE void NAME(cached)(const T *q, int64_t q_ld, const T *const *pos, int64_t 
             for (int h = 0; h < H; h++)
                 s[h * t + i] = NAME(dot)(qf + h * dk, krow + h * dk, dk) * scale;
         }
-        for (int h = 0; h < H; h++) inv[h] = softmax_in_place(s + h * t, t);
+        softmax_rows(s, H, t, inv);
         for (int j = 0; j < H * dv; j++) acc[j] = 0.0f;
         for (int64_t i = 0; i < t; i++) {
             const T *vrow = pos[i] + p[i] * ld + v_off;
@@ -102,7 +102,7 @@ INLINE void NAME(memory)(const T *q, int64_t q_ld, const T *k, const T *v,
                 for (int64_t j = 0; j < g; j++)
                     s[j * S + i] = dot_ff(qf + j * dk, row, dk) * scale;
             }
-            for (int64_t j = 0; j < g; j++) inv[j] = softmax_in_place(s + j * S, S);
+            softmax_rows(s, g, S, inv);
             for (int j = 0; j < g * dv; j++) acc[j] = 0.0f;
             for (int64_t i = 0; i < S; i++) {
                 if (!msk[i]) continue;
