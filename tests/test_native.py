@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from aiayn import native, search
+from aiayn.model import MultiHeadAttention
 from aiayn.search import NEVER_GENERATED
 
 needs_cc = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
@@ -297,6 +298,25 @@ def test_decoding_attention_rows_do_not_depend_on_the_batch_or_threads(
         torch.set_num_threads(threads)
     assert torch.equal(both[0], one[0]) and torch.equal(both[1], one[1])
     assert torch.equal(alone[0], one[0][41]) and torch.equal(sentence, one[1][40:44])
+
+
+@needs_cc
+def test_memory_attention_leaves_a_beam_of_hundreds_to_pytorch(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """More rows per sentence than the C code's buffers take: None, and the decoding
+    step's encoder-decoder attention then runs PyTorch's ops (a beam of 300)."""
+    k = torch.randn(1, 2, 5, 64)
+    mask = torch.ones(300, 5, dtype=torch.bool)
+    assert native.memory_attention(torch.randn(300, 128), k, k, mask) is None
+    assert native.memory_attention(torch.randn(4, 128), k, k, mask[:4]) is not None
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(32, 2, 16, 16, self_attention=False).eval()
+    x, memory = torch.randn(300, 1, 32), torch.randn(1, 5, 32)
+    with torch.no_grad():
+        kv = attn.project_kv(memory)
+        big_beam = attn(x, mask=mask[:, None, None, :], kv=kv)
+        monkeypatch.setattr(native, "attention_applies", lambda *a: False)
+        torch_ops = attn(x, mask=mask[:, None, None, :], kv=kv)
+    torch.testing.assert_close(big_beam, torch_ops, rtol=0, atol=0)
 
 
 def test_decoding_attention_applies_only_where_the_c_code_can(monkeypatch) -> None:  # type: ignore[no-untyped-def]

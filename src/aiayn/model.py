@@ -249,7 +249,8 @@ class MultiHeadAttention(nn.Module):
                     and compiled_decoding(q, self.h, self.d_k, self.d_v)):
                 # a decoding step on the CPU: compiled Eq. 1 over each sentence's keys/values
                 out = native.memory_attention(q.squeeze(1), *kv, mask.flatten(1).contiguous())
-                return self.w_o(out.unsqueeze(1))
+                if out is not None:
+                    return self.w_o(out.unsqueeze(1))
             q = self._split(q if packing is None else packing.unpack(q), self.d_k)
             k, v = kv if kv is not None else \
                 self.project_kv(memory, memory_packing)  # type: ignore[arg-type]

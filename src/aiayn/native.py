@@ -237,9 +237,10 @@ def cached_attention(q: Tensor, positions: Tensor, ld: int, k_off: int, v_off: i
     return out
 
 
-def memory_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+def memory_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor | None:
     """Eq. 1 for one new query per row over its sentence's encoder keys and values,
-    which are stored once per sentence: (R, h*d_v).
+    which are stored once per sentence: (R, h*d_v); None (use PyTorch ops) for more rows
+    per sentence than the C code takes (a beam of hundreds).
 
     q: (R, h*d_k), unit column stride, R = A*g rows, sentence-major. k: (A, h, S, d_k),
     v: (A, h, S, d_v), contiguous. mask: (R, S) bool, unit column stride, True = may attend
@@ -251,7 +252,7 @@ def memory_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     d_v = v.size(-1)
     g = q.size(0) // a
     if g * max(d_k, d_v) > MAX_ROW or g > MAX_HEADS:
-        raise ValueError(f"{g} rows per sentence: more than the compiled kernel takes")
+        return None
     assert lib is not None and g * a == q.size(0) and q.stride(1) == 1
     assert k.is_contiguous() and v.is_contiguous() and mask.stride(1) == 1
     fn = getattr(lib, f"aiayn_memory_attention_{_suffix(q.dtype)}")
