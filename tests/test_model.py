@@ -274,6 +274,42 @@ def test_dropout_rate_scale_and_gradient(p: float):
     assert torch.equal(d.eval()(x), x)
 
 
+@pytest.mark.skipif(native.library() is None, reason="no compiled library")
+@pytest.mark.parametrize("p", [0.1, 0.3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_dropout_rate_scale_independence_and_gradient(p: float, dtype: torch.dtype):
+    """The compiled masks (`Dropout.compiled`, float32 and bf16 on the CPU): each element
+    zeroed with probability P_drop (rounded to 2^-16), in each of the four 16-bit lanes
+    one 64-bit draw feeds and for neighbouring elements jointly (p^2: independent), the
+    survivors scaled by 1/(1 - P_drop), the gradient through the same mask; the same seed,
+    the same mask; another seed, another one."""
+    x = torch.randn(1001, 999).to(dtype).requires_grad_()  # odd element count
+    d = Dropout(p).train()
+    assert d.compiled
+    torch.manual_seed(7)
+    y = d(x)
+    dropped = (y == 0) & (x != 0)
+    n = x.numel()
+    rate = round(p * 65536) / 65536
+
+    def near(frac: torch.Tensor, want: float, count: int) -> bool:
+        return abs(frac.double().mean().item() - want) < 5 * math.sqrt(want * (1 - want) / count)
+
+    assert near(dropped, rate, n)
+    flat = dropped.flatten()
+    for lane in range(4):
+        assert near(flat[lane::4], rate, n // 4)
+    for lag in (1, 2, 3, 4, 999):  # within a draw, across draws, the next row
+        assert near(flat[:-lag] & flat[lag:], rate**2, n - lag)
+    scale = torch.full((), 1 / (1 - p), dtype=dtype)
+    assert torch.equal(y[~dropped], x[~dropped] * scale)
+    y.float().sum().backward()
+    assert torch.equal(x.grad, torch.where(dropped, 0.0, scale.item()).to(dtype))
+    torch.manual_seed(7)
+    assert torch.equal(d(x), y)
+    assert not torch.equal(d(x), y)  # the generator moved on: a new mask
+
+
 def test_incremental_decoding_equals_full_recomputation():
     """Section 6.1 inference: cached keys/values give the same logits as the full decoder."""
     m = small_model()

@@ -325,3 +325,31 @@ def test_decoding_attention_applies_only_where_the_c_code_can(monkeypatch) -> No
     assert not native.attention_applies(torch.float32, 4, 2048, 64)  # d_k over MAX_D
     monkeypatch.setattr(native, "library", lambda: None)
     assert not native.attention_applies(torch.float32, 4, 64, 64)
+
+
+# ------------------------------------------------------------------ dropout masks
+@needs_cc
+def test_dropout_masks_do_not_depend_on_threads_or_dtype() -> None:
+    """A mask is the same whether its blocks are split over two threads or not, and the
+    float32 and bf16 multipliers of one seed drop the same elements."""
+    x = torch.zeros(700, 1001)
+    threads = torch.get_num_threads()
+    try:
+        masks = []
+        for n, dtype in ((2, torch.float32), (1, torch.float32), (2, torch.bfloat16)):
+            torch.set_num_threads(n)
+            torch.manual_seed(11)
+            masks.append(native.dropout_multiplier(x.to(dtype), 0.1))
+    finally:
+        torch.set_num_threads(threads)
+    two, one, bf16 = masks
+    assert two is not None and one is not None and bf16 is not None
+    assert torch.equal(two, one) and bf16.dtype == torch.bfloat16
+    assert torch.equal(two == 0, bf16 == 0)
+    assert two.unique().tolist() == [0.0, pytest.approx(1 / 0.9)]
+
+
+def test_dropout_masks_fall_back_where_the_c_code_does_not_apply(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    assert native.dropout_multiplier(torch.zeros(4, 4, dtype=torch.float64), 0.1) is None
+    monkeypatch.setattr(native, "library", lambda: None)
+    assert native.dropout_multiplier(torch.zeros(4, 4), 0.1) is None

@@ -91,6 +91,38 @@ def test_training_on_the_real_tokens_matches_the_padded_loop(small_data: Path,
     assert all(torch.allclose(padded_w[k], real_w[k], rtol=1e-4, atol=1e-6) for k in padded_w)
 
 
+def test_compiled_dropout_setting_picks_the_mask_generator(small_data: Path, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch):
+    """train.compiled_dropout (the default) draws every CPU dropout mask with the compiled
+    generator; false (the recipes' setting) with PyTorch's, as before it existed."""
+    from aiayn import model as model_mod
+    from aiayn import native
+
+    if native.library() is None:
+        pytest.skip("no compiled library")
+    calls = {"compiled": 0, "torch": 0}
+    real_multiplier, real_mask = native.dropout_multiplier, model_mod.cpu_keep_mask
+
+    def multiplier(*a, **kw):  # type: ignore[no-untyped-def]
+        calls["compiled"] += 1
+        return real_multiplier(*a, **kw)
+
+    def mask(*a, **kw):  # type: ignore[no-untyped-def]
+        calls["torch"] += 1
+        return real_mask(*a, **kw)
+
+    monkeypatch.setattr(native, "dropout_multiplier", multiplier)
+    monkeypatch.setattr(model_mod, "cpu_keep_mask", mask)
+    base = {"N": 1, "d_model": 32, "d_ff": 64, "h": 2, "d_k": 16, "d_v": 16, "P_drop": 0.3,
+            "train.max_tokens": 300, "max_steps": 2, "save_interval_steps": 2}
+    for compiled in (True, False):
+        calls.update(compiled=0, torch=0)
+        cfg = apply_overrides(get_preset("tiny"), {**base, "train.compiled_dropout": compiled})
+        train(cfg, small_data, tmp_path / str(compiled))
+        drawn = "compiled" if compiled else "torch"
+        assert calls[drawn] > 0 and calls["compiled" if not compiled else "torch"] == 0
+
+
 @pytest.mark.parametrize("max_steps", [12, 1_000_000])
 def test_warns_early_when_max_minutes_will_end_the_run(small_data: Path, tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch,

@@ -31,7 +31,7 @@ from aiayn.faults import Faults
 from aiayn.files import sha256_file, write_text_atomic
 from aiayn.flops import slow_bf16_warning, training_flops
 from aiayn.loss import generator_loss, rdrop_loss
-from aiayn.model import Transformer, count_parameters
+from aiayn.model import Dropout, Transformer, count_parameters
 from aiayn.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ RESUMABLE_CHANGES = {"max_steps", "max_minutes", "save_interval_steps", "save_in
                      "patience", "divergence", "divergence_window", "divergence_short",
                      "divergence_sigma", "divergence_lr_factor", "max_rollbacks",
                      "keep_last", "valid_interval_steps", "log_interval_steps", "compile",
-                     "pack_padding"}
+                     "pack_padding", "compiled_dropout"}
 OPTIMIZER_KEYS = {"warmup_steps", "lr_scale", "beta1", "beta2", "adam_eps", "clip_norm", "eps_ls",
                   "dtype"}
 DATALOADER_KEYS = {"max_tokens", "update_freq", "seed", "max_len", "max_len_ratio"}
@@ -318,6 +318,9 @@ class Trainer:
         torch.manual_seed(self.cfg.train.seed)  # the same initial weights for a given seed
         self.model = Transformer(self.cfg.model).to(self.device)
         self.model.pack_padding = None if self.cfg.train.pack_padding else False
+        for module in self.model.modules():
+            if isinstance(module, Dropout):
+                module.compiled = self.cfg.train.compiled_dropout
         if self.cfg.train.compile:
             # in place: parameters and state_dict keys stay those of the plain model
             self.model.compile(dynamic=True)
