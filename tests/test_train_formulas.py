@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 import torch
 
+from aiayn import native
 from aiayn.config import PAD_ID
 from aiayn.loss import _rdrop_loss_unfused, generator_loss, label_smoothed_loss, rdrop_loss
 from aiayn.train import learning_rate
@@ -124,6 +125,28 @@ def test_fused_projection_and_loss_equal_the_definition(eps):
             float(ref_nll), rel=1e-12)
 
 
+@pytest.mark.skipif(native.library() is None, reason="no compiled library")
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_loss_rows_in_c_equal_the_definition_in_float32(eps):
+    """The loss's pass over the float32 logits in C (`native.smoothed_ce`, train.cpu_kernels):
+    loss, NLL and both gradients as the definition computed in float64, to float32
+    rounding; the validation path (no gradient table) the same NLL."""
+    features, weight, target = _projection_case(torch.float32, vocab=3000, seed=2)
+    f1, w1 = features.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss, nll = generator_loss(f1, w1, target, eps, cpu_kernels=True)
+    loss.backward()
+    f2, w2 = features.double().requires_grad_(), weight.double().requires_grad_()
+    ref_loss, ref_nll = label_smoothed_loss(f2 @ w2.t(), target, eps)
+    ref_loss.backward()
+    assert float(loss) == pytest.approx(float(ref_loss), rel=1e-6)
+    assert float(nll) == pytest.approx(float(ref_nll), rel=1e-6)
+    torch.testing.assert_close(f1.grad.double(), f2.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(w1.grad.double(), w2.grad, rtol=1e-4, atol=1e-6)
+    with torch.no_grad():
+        assert float(generator_loss(features, weight, target, eps, cpu_kernels=True)[1]) == \
+            pytest.approx(float(ref_nll), rel=1e-6)
+
+
 def test_rdrop_loss_is_its_definition():
     """R-Drop on two different halves: the halves' mean smoothed loss plus alpha/4 x both
     KL directions, each written out as sum p (log p - log q) over the real tokens."""
@@ -204,14 +227,16 @@ def _assert_fused_bf16_as_accurate(features: torch.Tensor, weight: torch.Tensor,
     assert max(errors["fused"]) < 2e-2, errors
 
 
-def test_fused_projection_and_loss_in_bf16_are_as_accurate_as_the_unfused_path():
+@pytest.mark.parametrize("cpu_kernels", [True, False])
+def test_fused_projection_and_loss_in_bf16_are_as_accurate_as_the_unfused_path(cpu_kernels):
     """Under bf16 autocast both paths round the logits and the gradient table to bf16; the
-    fused one must be no further from float64 than nn.Linear + label_smoothed_loss."""
+    fused one, with its rows in C (`native.smoothed_ce`) or in PyTorch ops, must be no
+    further from float64 than nn.Linear + label_smoothed_loss."""
     features, weight, target = _projection_case(torch.float32, vocab=3000, seed=1)
     _assert_fused_bf16_as_accurate(
         features, weight * 0.3,
         exact=lambda f, w: label_smoothed_loss(f @ w.t(), target, 0.1)[0],
-        fused=lambda f, w: generator_loss(f, w, target, 0.1)[0],
+        fused=lambda f, w: generator_loss(f, w, target, 0.1, cpu_kernels=cpu_kernels)[0],
         unfused=lambda f, w: label_smoothed_loss(torch.nn.functional.linear(f, w),
                                                  target, 0.1)[0],
         scale=1 / 100)

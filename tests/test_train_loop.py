@@ -91,17 +91,23 @@ def test_training_on_the_real_tokens_matches_the_padded_loop(small_data: Path,
     assert all(torch.allclose(padded_w[k], real_w[k], rtol=1e-4, atol=1e-6) for k in padded_w)
 
 
-def test_compiled_dropout_setting_picks_the_mask_generator(small_data: Path, tmp_path: Path,
-                                                           monkeypatch: pytest.MonkeyPatch):
-    """train.compiled_dropout (the default) draws every CPU dropout mask with the compiled
-    generator; false (the recipes' setting) with PyTorch's, as before it existed."""
+def test_cpu_kernels_setting_picks_the_mask_generator_and_the_loss(
+        small_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """train.cpu_kernels (the default) draws every CPU dropout mask with the compiled
+    generator and computes the loss's rows in C; false (the recipes' setting) uses
+    PyTorch's generator and ops, as before it existed."""
     from aiayn import model as model_mod
     from aiayn import native
 
     if native.library() is None:
         pytest.skip("no compiled library")
-    calls = {"compiled": 0, "torch": 0}
+    calls = {"compiled": 0, "torch": 0, "loss": 0}
     real_multiplier, real_mask = native.dropout_multiplier, model_mod.cpu_keep_mask
+    real_ce = native.smoothed_ce
+
+    def ce(*a, **kw):  # type: ignore[no-untyped-def]
+        calls["loss"] += 1
+        return real_ce(*a, **kw)
 
     def multiplier(*a, **kw):  # type: ignore[no-untyped-def]
         calls["compiled"] += 1
@@ -113,14 +119,16 @@ def test_compiled_dropout_setting_picks_the_mask_generator(small_data: Path, tmp
 
     monkeypatch.setattr(native, "dropout_multiplier", multiplier)
     monkeypatch.setattr(model_mod, "cpu_keep_mask", mask)
+    monkeypatch.setattr(native, "smoothed_ce", ce)
     base = {"N": 1, "d_model": 32, "d_ff": 64, "h": 2, "d_k": 16, "d_v": 16, "P_drop": 0.3,
             "train.max_tokens": 300, "max_steps": 2, "save_interval_steps": 2}
     for compiled in (True, False):
-        calls.update(compiled=0, torch=0)
-        cfg = apply_overrides(get_preset("tiny"), {**base, "train.compiled_dropout": compiled})
+        calls.update(compiled=0, torch=0, loss=0)
+        cfg = apply_overrides(get_preset("tiny"), {**base, "train.cpu_kernels": compiled})
         train(cfg, small_data, tmp_path / str(compiled))
         drawn = "compiled" if compiled else "torch"
         assert calls[drawn] > 0 and calls["compiled" if not compiled else "torch"] == 0
+        assert (calls["loss"] > 0) == compiled
 
 
 @pytest.mark.parametrize("max_steps", [12, 1_000_000])

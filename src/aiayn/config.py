@@ -102,12 +102,13 @@ class TrainConfig:
     # steps 1.08-1.16x faster (AMD VM; docs/performance.md, "Padding left out"). On GPUs
     # the padded batch is kept.
     pack_padding: bool = True
-    # On the CPU, draw dropout masks with a counter-based generator in C seeded from
-    # PyTorch's (native.dropout_multiplier; p within 2^-16) instead of PyTorch's generator
-    # (model.Dropout): other masks, the same distribution. Base bf16 training steps
-    # 1.05-1.07x faster, tiny bf16 1.04x (AMD VM; docs/performance.md, "Dropout masks in
-    # C"). The recipes turn it off to reproduce their recorded runs.
-    compiled_dropout: bool = True
+    # On the CPU, run parts of the training step in compiled C (aiayn.native): dropout
+    # masks from a counter-based generator seeded from PyTorch's (p within 2^-16; other
+    # masks, the same distribution) and the loss's pass over the logits (other rounding).
+    # Base bf16 training steps 1.05-1.07x faster from the masks alone (AMD VM;
+    # docs/performance.md, "Dropout masks in C" and "The loss in C"). The recipes turn it
+    # off to reproduce their recorded runs.
+    cpu_kernels: bool = True
     # R-Drop (Liang et al., 2021), beyond the paper: every batch passes twice (different
     # dropout masks) and rdrop_alpha x the two predictions' symmetric KL joins the loss
     # (aiayn.loss.rdrop_loss). The recipe model's step costs 2.2x (AMD VM); 7,000 steps

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from aiayn import native
 from aiayn.config import PAD_ID
 
 #: Rows of the (tokens, V) table per block: 64 x 8k float32 is 2 MiB, one core's L2 cache.
@@ -74,7 +75,7 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
 
 
 def generator_loss(features: Tensor, weight: Tensor, target: Tensor,
-                   eps_ls: float) -> tuple[Tensor, Tensor]:
+                   eps_ls: float, *, cpu_kernels: bool = True) -> tuple[Tensor, Tensor]:
     """`label_smoothed_loss(features @ weight.T, target, eps_ls)`, computed faster.
 
     Args:
@@ -87,6 +88,8 @@ def generator_loss(features: Tensor, weight: Tensor, target: Tensor,
     The fused path is for the CPU. Elsewhere this is the unfused loss: on a GPU the
     selection of the real rows waits for the device (a 20% slower base step at 291
     sentences on an H100), and the passes over the table are not what limits the step.
+    `cpu_kernels` (train.cpu_kernels): the table's rows in compiled code
+    (`native.smoothed_ce`) where it is available; else PyTorch ops (other rounding).
     """
     device = features.device.type
     if device != "cpu":
@@ -96,10 +99,11 @@ def generator_loss(features: Tensor, weight: Tensor, target: Tensor,
     with torch.autocast(device, enabled=False):
         if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
             return _FusedProjectionLoss.apply(
-                h, weight, dtype, lambda table: _smoothed_ce_rows(table, t, eps_ls,
-                                                                  write_grad=True))
+                h, weight, dtype, lambda table: _smoothed_ce_rows(
+                    table, t, eps_ls, write_grad=True, cpu_kernels=cpu_kernels))
         logits = _project(h.to(dtype), weight.to(dtype))
-        loss, nll = _smoothed_ce_rows(logits, t, eps_ls, write_grad=False)
+        loss, nll = _smoothed_ce_rows(logits, t, eps_ls, write_grad=False,
+                                      cpu_kernels=cpu_kernels)
         return loss, nll
 
 
@@ -154,15 +158,20 @@ def _project(h: Tensor, w: Tensor) -> Tensor:
 
 
 def _smoothed_ce_rows(logits: Tensor, target: Tensor, eps: float, *,
-                      write_grad: bool) -> tuple[Tensor, Tensor]:
+                      write_grad: bool, cpu_kernels: bool = False) -> tuple[Tensor, Tensor]:
     """Summed smoothed loss and NLL of logits (N, V) whose rows are all real tokens.
 
     Per row: lse = log sum exp(logits), NLL = lse - logit[target], and the uniform part of
     q = (1 - eps) * one-hot + eps / V costs lse - mean(logits). The table is scratch
     (float32/64 tables are worked on in place); with `write_grad` it ends holding
-    d loss / d logits = softmax - q.
+    d loss / d logits = softmax - q. `cpu_kernels`: in compiled code where it applies.
     """
     n, vocab = logits.shape
+    fast = native.smoothed_ce(logits, target, eps, write_grad) if cpu_kernels else None
+    if fast is not None:
+        lse, picked, total = fast
+        nll = (lse - picked).sum()
+        return (1.0 - eps) * nll + eps * (lse - total / vocab).sum(), nll
     acc = torch.promote_types(logits.dtype, torch.float32)  # bf16 logits are upcast
     lse = torch.empty(n, dtype=acc, device=logits.device)
     picked = torch.empty_like(lse)

@@ -85,7 +85,7 @@ class Dropout(nn.Module):
     def __init__(self, p: float) -> None:
         super().__init__()
         self.p = p
-        #: draw CPU masks with the compiled generator (train.compiled_dropout)
+        #: draw CPU masks with the compiled generator (train.cpu_kernels)
         self.compiled = True
 
     def forward(self, x: Tensor) -> Tensor:

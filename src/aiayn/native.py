@@ -1,6 +1,6 @@
 """Compiled code for the CPU: the beam step's normaliser and top-k (csrc/beam_step.c), the
-decoding step's attention (csrc/decode_attention.c), and dropout masks for training
-(csrc/dropout.c).
+decoding step's attention (csrc/decode_attention.c), and, for training, dropout masks
+(csrc/dropout.c) and the label-smoothed loss over the logits (csrc/smoothed_ce.c).
 
 Why the beam step: each beam-search step turns the model's (rows, V) next-token logits into every
 row's k best log-probabilities: log P = logit - logsumexp(logits). With PyTorch ops that is
@@ -23,6 +23,10 @@ Why the dropout masks: PyTorch draws CPU random numbers one at a time from a Mer
 Twister on one thread (~3.7 ms for one (4,416 x 512) mask of a base training step, 32
 masks a step); `dropout_multiplier` draws them from a counter-based generator in
 vectorised C (~0.3 ms), seeded from PyTorch's generator.
+
+Why the loss: `loss._smoothed_ce_rows` works through the (tokens, V) logits table in
+64-row blocks with 14 PyTorch operator calls and six passes each; `smoothed_ce` reads a
+row once into a buffer in cache and makes three passes there.
 
 Built on first use with the system's C compiler (`$CC`, else `cc`) for this CPU
 (`-march=native`), cached under `$AIAYN_CACHE_DIR` (default `~/.cache/aiayn`) by a key of
@@ -56,7 +60,8 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 #: Compiled together into one library; the headers are part of its cache key.
-SOURCES = (CSRC / "beam_step.c", CSRC / "decode_attention.c", CSRC / "dropout.c")
+SOURCES = (CSRC / "beam_step.c", CSRC / "decode_attention.c", CSRC / "dropout.c",
+           CSRC / "smoothed_ce.c")
 HEADERS = (CSRC / "simd_math.h", CSRC / "decode_attention_kernels.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
          "-fPIC", "-shared")
@@ -67,6 +72,7 @@ _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_flo
 _U64, _U32, _U16 = ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint16
 _SIGNATURES: dict[str, list[Any]] = {
     "aiayn_dropout": [_U64, _I64, _I64, _U32, None, _P],  # scale: float or bf16 bits
+    "aiayn_smoothed_ce": [_P, _I64, _I64, _I64, _I64, _P, _F, _INT, _P, _P, _P, _P],
     "aiayn_lse_topk": [_P, _I64, _I64, _I64, _I64, _INT, _P, _INT, _P, _P, _P],
     "aiayn_cached_attention": [_P, _I64, _P, _I64, _I64, _I64, _P, _I64, _I64, _I64, _I64,
                                _INT, _INT, _INT, _F, _P, _P, _I64],
@@ -313,3 +319,30 @@ def dropout_multiplier(like: Tensor, p: float) -> Tensor | None:
 
     _in_two_parts(blocks, MIN_DROPOUT_PER_THREAD // 4, run)
     return out[:n].view(like.shape)
+
+
+def smoothed_ce(logits: Tensor, target: Tensor, eps: float, write_grad: bool
+                ) -> tuple[Tensor, Tensor, Tensor] | None:
+    """Per row of the (N, V) logits: log-sum-exp, the target's logit and the row sum,
+    (N,) float32 each; with `write_grad` the table (in place) then holds
+    d loss / d logits = softmax - q of the label-smoothed loss. None where the compiled
+    code does not apply (not a contiguous float32 or bf16 CPU table, no library)."""
+    if (logits.device.type != "cpu" or logits.dim() != 2 or not logits.is_contiguous()
+            or logits.dtype not in (torch.float32, torch.bfloat16)):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    n, v = logits.shape
+    fn = getattr(lib, f"aiayn_smoothed_ce_{_suffix(logits.dtype)}")
+    target = target.to(torch.int64).contiguous()
+    lse, picked, total = (torch.empty(n, dtype=torch.float32) for _ in range(3))
+    bufs = torch.empty(2, v, dtype=torch.float32)
+
+    def run(part: int, r0: int, r1: int) -> None:
+        fn(logits.data_ptr(), r0, r1, v, logits.stride(0), target.data_ptr(), eps,
+           int(write_grad), bufs[part].data_ptr(), lse.data_ptr(), picked.data_ptr(),
+           total.data_ptr())
+
+    _in_two_parts(n, MIN_ROWS_PER_THREAD, run)
+    return lse, picked, total

@@ -41,7 +41,7 @@ RESUMABLE_CHANGES = {"max_steps", "max_minutes", "save_interval_steps", "save_in
                      "patience", "divergence", "divergence_window", "divergence_short",
                      "divergence_sigma", "divergence_lr_factor", "max_rollbacks",
                      "keep_last", "valid_interval_steps", "log_interval_steps", "compile",
-                     "pack_padding", "compiled_dropout"}
+                     "pack_padding", "cpu_kernels"}
 OPTIMIZER_KEYS = {"warmup_steps", "lr_scale", "beta1", "beta2", "adam_eps", "clip_norm", "eps_ls",
                   "dtype"}
 DATALOADER_KEYS = {"max_tokens", "update_freq", "seed", "max_len", "max_len_ratio"}
@@ -192,8 +192,9 @@ def _batches_from(corpus: Corpus, cfg: TrainConfig, epoch: int, start: int,
 
 @torch.no_grad()
 def validate(model: Transformer, corpus: Corpus, max_tokens: int, device: torch.device,
-             dtype: str = "fp32") -> dict[str, float]:
-    """Validation NLL per target token and perplexity (unsmoothed, as the paper reports)."""
+             dtype: str = "fp32", cpu_kernels: bool = True) -> dict[str, float]:
+    """Validation NLL per target token and perplexity (unsmoothed, as the paper reports).
+    `cpu_kernels`: see `loss.generator_loss`."""
     was_training = model.training
     model.eval()
     nll_sum, n_tok = 0.0, 0
@@ -202,7 +203,8 @@ def validate(model: Transformer, corpus: Corpus, max_tokens: int, device: torch.
         b = collate(corpus, idx).to(device)
         with _autocast(device, dtype):
             features = model(b.src, b.tgt_in, features_only=True)
-            _, nll = generator_loss(features, model.generator.weight, b.tgt_out, 0.0)
+            _, nll = generator_loss(features, model.generator.weight, b.tgt_out, 0.0,
+                                    cpu_kernels=cpu_kernels)
         nll_sum += float(nll)
         n_tok += b.tgt_tokens
     model.train(was_training)
@@ -320,7 +322,7 @@ class Trainer:
         self.model.pack_padding = None if self.cfg.train.pack_padding else False
         for module in self.model.modules():
             if isinstance(module, Dropout):
-                module.compiled = self.cfg.train.compiled_dropout
+                module.compiled = self.cfg.train.cpu_kernels
         if self.cfg.train.compile:
             # in place: parameters and state_dict keys stay those of the plain model
             self.model.compile(dynamic=True)
@@ -511,7 +513,8 @@ class Trainer:
                         else:
                             features = self.net(batch.src, batch.tgt_in, features_only=True)
                             loss, nll = generator_loss(features, self.model.generator.weight,
-                                                       batch.tgt_out, t.eps_ls)
+                                                       batch.tgt_out, t.eps_ls,
+                                                       cpu_kernels=t.cpu_kernels)
                     loss = self.faults.nan_loss(loss)
                     (loss * scale).backward()
             except (torch.OutOfMemoryError, RuntimeError) as e:
@@ -647,7 +650,8 @@ class Trainer:
         if self.valid_data is None or not self.dist.is_main:
             return {}
         t = self.cfg.train
-        metrics = validate(self.model, self.valid_data, t.max_tokens, self.device, t.dtype)
+        metrics = validate(self.model, self.valid_data, t.max_tokens, self.device, t.dtype,
+                           t.cpu_kernels)
         self.state.best_valid_nll = min(self.state.best_valid_nll, metrics["valid_nll"])
         self._log({"step": self.state.step, "time": self.state.train_seconds, **metrics})
         log.info("step %d: valid nll %.4f, ppl %.2f", self.state.step, metrics["valid_nll"],
