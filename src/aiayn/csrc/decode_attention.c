@@ -33,15 +33,6 @@
 /* Positions ahead whose cached rows are prefetched (they lie scattered in memory). */
 #define PREFETCH 2
 
-/* Round to nearest even, as PyTorch's float -> bf16 conversion; NaN stays NaN. */
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
 static inline float float_id(float x) { return x; }
 
 static inline __attribute__((always_inline)) float dot_ff(const float *q, const float *k,

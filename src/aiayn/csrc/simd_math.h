@@ -1,4 +1,4 @@
-/* Helpers shared by the compiled decoding code: bf16 -> float and a vectorisable exp. */
+/* Helpers shared by the compiled code: bf16 <-> float and a vectorisable exp. */
 #ifndef AIAYN_SIMD_MATH_H
 #define AIAYN_SIMD_MATH_H
 
@@ -11,6 +11,15 @@ static inline float bf16_to_float(uint16_t h) {
     float f;
     memcpy(&f, &u, sizeof f);
     return f;
+}
+
+/* Round to nearest even, as PyTorch's float -> bf16 conversion; NaN stays NaN. */
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
 }
 
 /* exp(x) for x <= 0: Cody-Waite range reduction and Cephes' expf polynomial (relative error

@@ -15,15 +15,6 @@
 
 #include "simd_math.h"
 
-/* Round to nearest even, as PyTorch's float -> bf16 conversion; NaN stays NaN. */
-static inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
 /* buf holds the row as floats; returns lse, sets *total and, with grad, writes softmax - q
  * into buf (the caller stores it). */
 static float row(float *buf, int64_t V, int64_t t, float eps, int write_grad, float *total) {
@@ -74,7 +65,7 @@ void aiayn_smoothed_ce_bf16(uint16_t *x, int64_t r0, int64_t r1, int64_t V, int6
         lse[r] = row(buf, V, target[r], eps, write_grad, total + r);
         if (write_grad) {
 #pragma omp simd
-            for (int64_t j = 0; j < V; j++) src[j] = to_bf16(buf[j]);
+            for (int64_t j = 0; j < V; j++) src[j] = float_to_bf16(buf[j]);
         }
     }
 }
