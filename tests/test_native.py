@@ -349,7 +349,20 @@ def test_dropout_masks_do_not_depend_on_threads_or_dtype() -> None:
     assert two.unique().tolist() == [0.0, pytest.approx(1 / 0.9)]
 
 
-def test_dropout_masks_fall_back_where_the_c_code_does_not_apply(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_training_kernels_fall_back_where_the_c_code_does_not_apply(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Dropout masks and the loss's rows: None for other dtypes or layouts and without the
+    library; the loss then comes from PyTorch ops, the same to float rounding."""
+    from aiayn.loss import generator_loss
+
     assert native.dropout_multiplier(torch.zeros(4, 4, dtype=torch.float64), 0.1) is None
+    table = torch.randn(6, 50)
+    assert native.smoothed_ce(table.double(), torch.zeros(6, dtype=torch.long), 0.1, True) is None
+    assert native.smoothed_ce(table.t(), torch.zeros(50, dtype=torch.long), 0.1, True) is None
+    features, weight = torch.randn(2, 3, 8), torch.randn(50, 8)
+    target = torch.randint(4, 50, (2, 3))
+    with_c = generator_loss(features, weight, target, 0.1)
     monkeypatch.setattr(native, "library", lambda: None)
     assert native.dropout_multiplier(torch.zeros(4, 4), 0.1) is None
+    assert native.smoothed_ce(table, torch.zeros(6, dtype=torch.long), 0.1, True) is None
+    without = generator_loss(features, weight, target, 0.1)
+    torch.testing.assert_close(with_c, without, rtol=1e-5, atol=1e-5)
