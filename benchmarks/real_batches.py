@@ -59,10 +59,12 @@ def main() -> int:
     model = Transformer(cfg.model).train()
     packed = args.packed or (cfg.train.pack_padding and not args.padded)
     model.pack_padding = None if packed else False  # None: packed, training on the CPU
+    model.use_cpu_kernels(cfg.train.cpu_kernels)  # as the trainer does
     opt = make_optimizer(model, cfg.train)
     bf16 = cfg.train.dtype == "bf16"
     print(f"{cfg.train.dtype}, max_tokens {cfg.train.max_tokens}, "
-          f"{'packed' if packed else 'padded'} batches, oneDNN kernel cache "
+          f"{'packed' if packed else 'padded'} batches, cpu_kernels {cfg.train.cpu_kernels}, "
+          f"oneDNN kernel cache "
           f"{os.environ.get('ONEDNN_PRIMITIVE_CACHE_CAPACITY', 'default')}")
     seen: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
     for epoch in range(args.epochs):
@@ -77,7 +79,7 @@ def main() -> int:
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                 features = model(b.src, b.tgt_in, features_only=True)
                 loss, _ = generator_loss(features, model.generator.weight, b.tgt_out,
-                                         cfg.train.eps_ls)
+                                         cfg.train.eps_ls, cpu_kernels=cfg.train.cpu_kernels)
             (loss / b.tgt_tokens).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)

@@ -76,16 +76,16 @@ class Dropout(nn.Module):
     mask comes from a counter-based generator in C seeded from PyTorch's generator
     (`native.dropout_multiplier`: p applied to within 2^-16; a (4,416, 512) dropout's
     forward and backward 2-3x faster than the next way at two threads); without it, or
-    without the compiled library, each
-    31-bit integer from PyTorch's generator gives two 16-bit (resp. 15-bit) uniform
-    draws (p within 2^-15: 0.1 -> 0.100006; 2.3x `F.dropout`'s speed). Either way
-    `torch.manual_seed` decides the masks. Elsewhere (CUDA) it is PyTorch's own dropout.
+    without the compiled library, each 31-bit integer from PyTorch's generator gives two
+    16-bit (resp. 15-bit) uniform draws (p within 2^-15: 0.1 -> 0.100006; 2.3x
+    `F.dropout`'s speed). Either way `torch.manual_seed` decides the masks. Elsewhere
+    (CUDA) it is PyTorch's own dropout.
     """
 
     def __init__(self, p: float) -> None:
         super().__init__()
         self.p = p
-        #: draw CPU masks with the compiled generator (train.cpu_kernels)
+        #: draw CPU masks with the compiled generator (`Transformer.use_cpu_kernels`)
         self.compiled = True
 
     def forward(self, x: Tensor) -> Tensor:
@@ -630,6 +630,14 @@ class Transformer(nn.Module):
             nn.init.normal_(emb.weight, std=self.cfg.d_model**-0.5)
             with torch.no_grad():
                 emb.weight[PAD_ID].zero_()
+
+    def use_cpu_kernels(self, on: bool) -> None:
+        """Dropout masks from the compiled generator (`Dropout.compiled`, the default) or
+        from PyTorch's: `train.cpu_kernels`, whose other half, the loss, is an argument of
+        `loss.generator_loss`."""
+        for module in self.modules():
+            if isinstance(module, Dropout):
+                module.compiled = on
 
     @staticmethod
     def src_mask(src: Tensor) -> Tensor:

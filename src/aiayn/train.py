@@ -31,7 +31,7 @@ from aiayn.faults import Faults
 from aiayn.files import sha256_file, write_text_atomic
 from aiayn.flops import slow_bf16_warning, training_flops
 from aiayn.loss import generator_loss, rdrop_loss
-from aiayn.model import Dropout, Transformer, count_parameters
+from aiayn.model import Transformer, count_parameters
 from aiayn.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -320,9 +320,7 @@ class Trainer:
         torch.manual_seed(self.cfg.train.seed)  # the same initial weights for a given seed
         self.model = Transformer(self.cfg.model).to(self.device)
         self.model.pack_padding = None if self.cfg.train.pack_padding else False
-        for module in self.model.modules():
-            if isinstance(module, Dropout):
-                module.compiled = self.cfg.train.cpu_kernels
+        self.model.use_cpu_kernels(self.cfg.train.cpu_kernels)
         if self.cfg.train.compile:
             # in place: parameters and state_dict keys stay those of the plain model
             self.model.compile(dynamic=True)
