@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aiayn.batching import Batch, collate, decode_batches, pad_right, token_batches
+from aiayn.batching import Batch, Prefetch, collate, decode_batches, pad_right, token_batches
 from aiayn.config import BOS_ID, EOS_ID, PAD_ID
 from aiayn.data import Corpus
 
@@ -151,3 +151,37 @@ def test_decode_batches() -> None:
     assert decode_batches(torch.tensor([], dtype=torch.long), 10) == []
     with pytest.raises(ValueError):
         decode_batches([1], 0)
+
+
+def test_prefetch_gives_the_items_in_order_and_ends() -> None:
+    items = [torch.full((3,), i) for i in range(50)]
+    got = list(Prefetch(iter(items), depth=3))
+    assert len(got) == 50 and all(g is x for g, x in zip(got, items, strict=True))
+
+
+def test_prefetch_raises_the_producers_error_at_its_item_and_stops() -> None:
+    def items():  # type: ignore[no-untyped-def]
+        yield 1
+        yield 2
+        raise ValueError("bad line 3")
+
+    p = Prefetch(items())
+    assert next(p) == 1 and next(p) == 2
+    with pytest.raises(ValueError, match="bad line 3"):
+        next(p)
+    with pytest.raises(StopIteration):  # and does not wait for more
+        next(p)
+    assert not p._thread.is_alive()
+
+
+def test_prefetch_close_stops_an_endless_producer() -> None:
+    import itertools
+
+    drawn = []
+    p = Prefetch((drawn.append(i) or i for i in itertools.count()), depth=2)
+    assert [next(p) for _ in range(5)] == [0, 1, 2, 3, 4]
+    p.close()
+    assert not p._thread.is_alive()
+    assert len(drawn) <= 5 + 2 + 1  # read ahead by the depth (and one in hand), no more
+    with pytest.raises(StopIteration):
+        next(p)

@@ -256,3 +256,47 @@ def test_rdrop_training_without_dropout_is_the_plain_objective(small_data: Path,
     # with dropout the passes differ: the KL term and the second masks change the loss
     assert runs["rdrop_dropout"][0][0] != pytest.approx(runs["plain_dropout"][0][0],
                                                         rel=1e-3)
+
+
+def test_prefetched_batches_train_the_same_run_and_resume_alike(small_data: Path,
+                                                                 tmp_path: Path):
+    """Batches built ahead on a thread (`Trainer.prefetch`, on by default on GPUs) are the
+    same batches in the same order: the same losses and bit-identical weights with
+    dropout on (its masks come from the main thread's generator), across epoch ends and
+    a stop-and-resume; and the thread is gone when the run ends."""
+    import threading
+
+    import torch
+
+    from aiayn.train import Trainer
+
+    cfg = apply_overrides(get_preset("tiny"), {
+        "N": 1, "d_model": 32, "d_ff": 64, "h": 2, "d_k": 16, "d_v": 16, "P_drop": 0.3,
+        "train.max_tokens": 600, "max_steps": 30, "save_interval_steps": 10,
+        "log_interval_steps": 1})
+
+    def run(out: Path, prefetch: bool, max_steps: int) -> list[float]:
+        seen: list[list[int]] = []
+        trainer = Trainer(apply_overrides(cfg, {"max_steps": max_steps}), small_data, out,
+                          hooks=train_module.Hooks(
+                              on_batch=lambda step, e, p, ids: seen.append(ids.tolist())))
+        trainer.prefetch = prefetch
+        try:
+            result = trainer.run()
+        finally:
+            trainer.close()
+        assert not any(t.name == "aiayn-prefetch" for t in threading.enumerate())
+        return [h["loss"] for h in result.history], seen
+
+    plain, plain_ids = run(tmp_path / "plain", False, 30)
+    ahead, ahead_ids = run(tmp_path / "ahead", True, 30)
+    first, first_ids = run(tmp_path / "resumed", True, 12)
+    rest, rest_ids = run(tmp_path / "resumed", True, 30)
+    records = [json.loads(line) for line in
+               (tmp_path / "plain" / "train_log.jsonl").read_text().splitlines()]
+    assert max(r.get("epoch", 0) for r in records) >= 1  # the runs crossed an epoch's end
+    assert ahead_ids == plain_ids == first_ids + rest_ids
+    assert ahead == plain == first + rest
+    weights = [torch.load(tmp_path / d / "checkpoint_30.pt", weights_only=False)["model"]
+               for d in ("plain", "ahead", "resumed")]
+    assert all(torch.equal(weights[0][k], w[k]) for w in weights[1:] for k in weights[0])

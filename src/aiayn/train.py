@@ -14,7 +14,7 @@ import logging
 import math
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from aiayn import checkpoint as ckpt_lib
-from aiayn.batching import Batch, collate, token_batches
+from aiayn.batching import Batch, Prefetch, collate, token_batches
 from aiayn.config import Config, TrainConfig
 from aiayn.data import Corpus, load_corpus, load_manifest
 from aiayn.distributed import DistContext, init_from_env, shutdown
@@ -35,6 +35,9 @@ from aiayn.model import Transformer, count_parameters
 from aiayn.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+#: (epoch, position in the epoch, batch), forever: a generator, or `Prefetch` on one on GPUs
+BatchStream = (Generator[tuple[int, int, Batch], None, None]
+               | Prefetch[tuple[int, int, Batch]])
 
 #: Settings that may change when a run is resumed; anything else must match the checkpoint.
 RESUMABLE_CHANGES = {"max_steps", "max_minutes", "save_interval_steps", "save_interval_minutes",
@@ -337,6 +340,9 @@ class Trainer:
         self.resumed_from: Path | None = None
         self.faults = Faults.from_env(self.dist.rank)
         self.faults.install(self.model)
+        #: build batches ahead on a thread (`_batch_stream`): on GPUs; on the CPU the
+        #: thread would compete with the step's own threads for the cores
+        self.prefetch = self.device.type == "cuda"
         self._oom_batches: set[tuple[int, int]] = set()
         self._last_batches: list[Batch] = []
         self._resume(reset_optimizer, reset_dataloader)
@@ -401,7 +407,16 @@ class Trainer:
         return self.state.lr_factor * learning_rate(step, self.cfg.model.d_model,
                                                     t.warmup_steps, t.lr_scale)
 
-    def _batch_stream(self) -> Iterator[tuple[int, int, Batch]]:
+    def _batch_stream(self) -> BatchStream:
+        """(epoch, position, batch) from the saved position on, forever; on a GPU built
+        ahead on a thread and pinned, so that the GPU does not wait for the next batch
+        (`batching.Prefetch`). Close it when done."""
+        if not self.prefetch:
+            return self._batches()
+        pin = self.device.type == "cuda"
+        return Prefetch((e, i, b.pin_memory() if pin else b) for e, i, b in self._batches())
+
+    def _batches(self) -> Generator[tuple[int, int, Batch], None, None]:
         epoch, start = self.state.epoch, self.state.batch_in_epoch
         while True:
             for i, batch in _batches_from(self.train_data, self.cfg.train, epoch, start,
@@ -475,7 +490,7 @@ class Trainer:
                    "checkpoint": str(path), "lr_factor": self.state.lr_factor})
         return path
 
-    def _update(self, stream: Iterator[tuple[int, int, Batch]]) -> dict[str, float]:
+    def _update(self, stream: BatchStream) -> dict[str, float]:
         """One optimizer step over `update_freq` batches; a non-finite one is skipped."""
         t = self.cfg.train
         step = self.state.step + 1
@@ -494,7 +509,7 @@ class Trainer:
         (tgt_tok,) = self.dist.all_sum([sum(b.tgt_tokens for _, _, b in batches)], self.device)
         scale = self.dist.world_size / max(tgt_tok, 1)
         for i, (epoch, pos, batch) in enumerate(batches):
-            batch = batch.to(self.device)
+            batch = batch.to(self.device, non_blocking=self.device.type == "cuda")
             last = i == len(batches) - 1
             sync = contextlib.nullcontext() if last or not self.dist.active else \
                 self.net.no_sync()  # type: ignore[operator]
@@ -704,7 +719,8 @@ class Trainer:
         window = [0.0, 0.0, 0]  # loss and NLL sums, target tokens since the last log line
         start_step = self.state.step
         pace = _Pace(60 * t.max_minutes, self.state.train_seconds)
-        with contextlib.closing(self), _StopSignal() as stop:
+        with contextlib.closing(self), _StopSignal() as stop, contextlib.ExitStack() as done:
+            done.callback(lambda: stream.close())  # the stream in use then (rollbacks)
             while self.state.step < t.max_steps:
                 t0 = time.perf_counter()
                 stats = self._update(stream)
@@ -735,6 +751,7 @@ class Trainer:
                         if t.divergence == "stop":
                             raise TrainingError(reason + " (train.divergence = 'stop')")
                         self.rollback(step - t.divergence_short, reason)
+                        stream.close()
                         stream, recent_losses = self._batch_stream(), []
                         continue
                 result.history.append({"step": step, **stats})
