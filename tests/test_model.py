@@ -562,3 +562,32 @@ def test_fused_ffn_training_steps_match_the_unfused_ones(monkeypatch):
         runs.append(tensors + list(m.state_dict().values()))
     for a, b in zip(*runs, strict=True):
         assert torch.equal(a, b)
+
+
+def test_cuda_attention_leaves_cudnn_out_and_restores_the_users_settings() -> None:
+    """On CUDA, PyTorch's fused attention runs without its cuDNN backend (it plans every
+    new shape: docs/performance.md), the flag restored afterwards, even on an error; a
+    user who turned cuDNN's attention off keeps it off; CPU tensors change nothing."""
+    from types import SimpleNamespace
+
+    from aiayn.model import _NoCudnnAttention
+
+    flags = torch.backends.cuda
+    on_cuda = SimpleNamespace(is_cuda=True)  # the only property consulted
+    assert flags.cudnn_sdp_enabled()
+    flash = flags.flash_sdp_enabled()
+    with _NoCudnnAttention(on_cuda):  # type: ignore[arg-type]
+        assert not flags.cudnn_sdp_enabled() and flags.flash_sdp_enabled() == flash
+    assert flags.cudnn_sdp_enabled()
+    with pytest.raises(ValueError), _NoCudnnAttention(on_cuda):  # type: ignore[arg-type]
+        raise ValueError
+    assert flags.cudnn_sdp_enabled()
+    with _NoCudnnAttention(torch.zeros(1)):
+        assert flags.cudnn_sdp_enabled()
+    flags.enable_cudnn_sdp(False)
+    try:
+        with _NoCudnnAttention(on_cuda):  # type: ignore[arg-type]
+            pass
+        assert not flags.cudnn_sdp_enabled()
+    finally:
+        flags.enable_cudnn_sdp(True)

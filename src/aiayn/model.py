@@ -122,21 +122,49 @@ def cpu_keep_mask(shape: torch.Size | tuple[int, ...], p: float) -> Tensor:
 # Scaled dot-product attention, Eq. 1: softmax(Q K^T / sqrt(d_k)) V
 
 
+class _NoCudnnAttention:
+    """PyTorch's fused attention on CUDA without its cuDNN backend, the others as the user
+    left them.
+
+    cuDNN plans each new shape on first use, and translation's batches come in many
+    (lengths vary from batch to batch, and from step to step in a search): on an H100 the
+    Multi30k recipe's first 150 training steps took ~50 s with it (0.3 s a step) and ~7 s
+    without, and later steps 43 ms against 38 (docs/performance.md, "cuDNN's attention
+    and changing shapes"). Flash and memory-efficient attention compute the same
+    formula. A flag flipped and restored (~0.3 us), not `sdpa_kernel` (~14 us a call, and
+    it would re-enable backends the user turned off); left alone while torch.compile
+    traces.
+    """
+
+    def __init__(self, q: Tensor) -> None:
+        self.active = (q.is_cuda and torch.backends.cuda.cudnn_sdp_enabled()
+                       and not torch.compiler.is_compiling())
+
+    def __enter__(self) -> None:
+        if self.active:
+            torch.backends.cuda.enable_cudnn_sdp(False)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.active:
+            torch.backends.cuda.enable_cudnn_sdp(True)
+
+
 def scaled_dot_product_attention(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, *,
     causal: bool = False, dropout_p: float = 0.0, fused: bool | None = None,
 ) -> Tensor:
     """Eq. 1, softmax(Q K^T / sqrt(d_k)) V, with illegal connections set to -inf first.
 
-    Three exact implementations of the same formula: PyTorch's fused kernels (cuDNN, flash,
-    memory-efficient attention), aiayn's own Triton kernel for short sequences on CUDA
-    (`aiayn.kernels`: at translation's sentence lengths PyTorch's kernels mostly compute
-    padding of their tiles), and the formula written out as two matrix products and a
-    softmax, which on CPU is 2-4x faster to train through in bf16 (the fused CPU kernel's
-    backward is slow for short sequences). `fused=None` picks by device and shape: the
-    written-out formula on CPU; on CUDA the Triton kernel where it applies and measured
-    faster (`kernels.preferred`: training in bf16 on large batches, both lengths <= 64, a
-    key-padding mask, no attention dropout), else PyTorch's. `fused=True` forces PyTorch's.
+    Three exact implementations of the same formula: PyTorch's fused kernels (flash,
+    memory-efficient attention; not cuDNN's on CUDA: `_NoCudnnAttention`), aiayn's own
+    Triton kernel for short sequences on CUDA (`aiayn.kernels`: at translation's sentence
+    lengths PyTorch's kernels mostly compute padding of their tiles), and the formula
+    written out as two matrix products and a softmax, which on CPU is 2-4x faster to train
+    through in bf16 (the fused CPU kernel's backward is slow for short sequences).
+    `fused=None` picks by device and shape: the written-out formula on CPU; on CUDA the
+    Triton kernel where it applies and measured faster (`kernels.preferred`: training in
+    bf16 on large batches, both lengths <= 64, a key-padding mask, no attention dropout),
+    else PyTorch's. `fused=True` forces PyTorch's.
     All are tested against a float64 transcription of Eq. 1.
 
     Args:
@@ -161,8 +189,9 @@ def scaled_dot_product_attention(
         if causal and (mask is not None or q.size(2) != k.size(2)):
             tri = _causal_mask(q.size(2), k.size(2), q.device)
             mask, causal = (tri if mask is None else mask & tri), False
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                              is_causal=causal)
+        with _NoCudnnAttention(q):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                  dropout_p=dropout_p, is_causal=causal)
     scores = torch.matmul(q, k.transpose(-2, -1)).mul_(q.size(-1) ** -0.5)  # (B, H, Tq, Tk)
     if causal:
         scores.masked_fill_(~_causal_mask(q.size(2), k.size(2), q.device), float("-inf"))
