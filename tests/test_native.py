@@ -301,6 +301,54 @@ def test_decoding_attention_rows_do_not_depend_on_the_batch_or_threads(
 
 
 @needs_cc
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("h,d_k", [(4, 64), (2, 32), (1, 128), (2, 48)])
+def test_decoding_attention_over_many_positions_is_eq1(dtype: torch.dtype, h: int,
+                                                       d_k: int) -> None:
+    """Past 16 positions or keys (on AVX-512 CPUs the kernels take them 16 at a time and
+    sum 16 products at once): 37 cached positions and 40 source keys, two whole blocks
+    and a ragged one, against Eq. 1 in float64."""
+    rows = [7, 12, 12, 9] * 9 + [10]
+    tables, path, q = cached_case(dtype, h, d_k, d_k, rows, seed=d_k)
+    got = run_cached(tables, path, q, h, d_k, d_k)
+    torch.testing.assert_close(got.double(), cached_reference(tables, path, q, h, d_k, d_k),
+                               **TOL[dtype])
+    gen = torch.Generator().manual_seed(h)
+    a, s, g = 3, 40, 4
+    k = (torch.randn(a, h, s, d_k, generator=gen) * 2).to(dtype)
+    v = (torch.randn(a, h, s, d_k, generator=gen) * 2).to(dtype)
+    mask = (torch.arange(s) < torch.tensor([40, 17, 33])[:, None]).repeat_interleave(g, 0)
+    q = (torch.randn(a * g, h * d_k, generator=gen) * 2).to(dtype)
+    want = eq1(q.view(-1, h, d_k), k.repeat_interleave(g, 0), v.repeat_interleave(g, 0),
+               mask).flatten(1)
+    torch.testing.assert_close(native.memory_attention(q, k, v, mask).double(), want,
+                               **TOL[dtype])
+
+
+@needs_cc
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_score_does_not_depend_on_where_its_key_falls_or_on_padding(
+        dtype: torch.dtype) -> None:
+    """The same keys give bit-identical outputs whether a sentence's source is padded to 11
+    or to 45 positions (padding holding NaN, which must never reach an output), and a
+    row's self-attention is the same alone or among others when positions pass 16."""
+    h, d_k, g = 4, 64, 4
+    gen = torch.Generator().manual_seed(3)
+    k = torch.randn(1, h, 11, d_k, generator=gen).to(dtype)
+    v = torch.randn(1, h, 11, d_k, generator=gen).to(dtype)
+    q = torch.randn(g, h * d_k, generator=gen).to(dtype)
+    short = native.memory_attention(q, k, v, torch.ones(g, 11, dtype=torch.bool))
+    pad = torch.full((1, h, 34, d_k), float("nan")).to(dtype)
+    mask = torch.arange(45).expand(g, 45) < 11
+    long = native.memory_attention(q, torch.cat([k, pad], 2), torch.cat([v, pad], 2), mask)
+    assert torch.equal(short, long)
+    tables, path, q = cached_case(dtype, h, d_k, d_k, [40] * 21, seed=8)
+    every = run_cached(tables, path, q, h, d_k, d_k)
+    alone = run_cached(tables, path[17:18], q[17:18], h, d_k, d_k)
+    assert torch.equal(alone[0], every[17])
+
+
+@needs_cc
 def test_memory_attention_leaves_a_beam_of_hundreds_to_pytorch(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """More rows per sentence than the C code's buffers take: None, and the decoding
     step's encoder-decoder attention then runs PyTorch's ops (a beam of 300)."""

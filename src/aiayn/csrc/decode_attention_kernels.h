@@ -28,6 +28,22 @@ INLINE void NAME(store)(T *dst, const float *acc, float inv, int d) {
     for (int j = 0; j < d; j++) dst[j] = STORE(acc[j] * inv);
 }
 
+#ifdef __AVX512F__
+/* scores16_ff (decode_attention.c) for keys of type T, converted as they are read */
+INLINE __m512 NAME(scores16)(const float *q, const T *const *rows, const int dk) {
+    __m512 qv[8], part[16];
+    for (int c = 0; c < 8; c++)
+        if (16 * c < dk) qv[c] = _mm512_loadu_ps(q + 16 * c);
+    for (int i = 0; i < 16; i++) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int c = 0; c < 8; c++)
+            if (16 * c < dk) acc = _mm512_fmadd_ps(qv[c], LOAD16(rows[i] + 16 * c), acc);
+        part[i] = acc;
+    }
+    return sum16(part);
+}
+#endif
+
 INLINE void NAME(cached)(const T *q, int64_t q_ld, const T *const *pos, int64_t ld,
                          int64_t k_off, int64_t v_off, const int64_t *path, int64_t path_ld,
                          int64_t t, int64_t r0, int64_t r1, int H, const int dk, const int dv,
@@ -38,6 +54,28 @@ INLINE void NAME(cached)(const T *q, int64_t q_ld, const T *const *pos, int64_t 
     for (int64_t r = r0; r < r1; r++) {
         const int64_t *p = path + r * path_ld;
         NAME(load)(qf, q + r * q_ld, H * dk);
+#ifdef __AVX512F__
+        if (dk % 16 == 0 && dk <= 128) {
+            /* 16 positions at a time: their scores summed together (sum16) */
+            const __m512 vscale = _mm512_set1_ps(scale);
+            for (int64_t i0 = 0; i0 < t; i0 += 16) {
+                int n = t - i0 < 16 ? (int)(t - i0) : 16;
+                const T *krow[16], *rows[16];
+                for (int i = 0; i < n; i++) {
+                    krow[i] = pos[i0 + i] + p[i0 + i] * ld + k_off;
+                    /* the values, read after the softmax */
+                    const char *vrow = (const char *)(krow[i] - k_off + v_off);
+                    for (int64_t b = 0; b < (int64_t)(H * dv * sizeof(T)); b += 64)
+                        __builtin_prefetch(vrow + b);
+                }
+                for (int h = 0; h < H; h++) {
+                    for (int i = 0; i < 16; i++) rows[i] = krow[i < n ? i : 0] + h * dk;
+                    __m512 sc = _mm512_mul_ps(NAME(scores16)(qf + h * dk, rows, dk), vscale);
+                    _mm512_mask_storeu_ps(s + h * t + i0, (__mmask16)((1u << n) - 1u), sc);
+                }
+            }
+        } else
+#endif
         for (int64_t i = 0; i < t; i++) {
             if (i + PREFETCH < t) {
                 const char *next = (const char *)(pos[i + PREFETCH] + p[i + PREFETCH] * ld);
@@ -50,6 +88,35 @@ INLINE void NAME(cached)(const T *q, int64_t q_ld, const T *const *pos, int64_t 
         }
         softmax_rows(s, H, t, inv);
         for (int j = 0; j < H * dv; j++) acc[j] = 0.0f;
+#ifdef __AVX512F__
+        if (dv % 16 == 0) {
+            /* 16 positions at a time; the output's vectors (all heads: one run of H*dv)
+             * kept in registers, eight at a time, so that eight chains of products
+             * overlap instead of each waiting for the last */
+            const int nv = H * dv / 16;
+            for (int64_t i0 = 0; i0 < t; i0 += 16) {
+                int n = t - i0 < 16 ? (int)(t - i0) : 16;
+                const T *vrow[16];
+                for (int i = 0; i < n; i++) vrow[i] = pos[i0 + i] + p[i0 + i] * ld + v_off;
+                for (int v0 = 0; v0 < nv; v0 += 8) {
+                    __m512 x[8];
+                    const float *w[8];
+                    for (int v = 0; v < 8; v++)
+                        if (v0 + v < nv) {
+                            x[v] = _mm512_loadu_ps(acc + 16 * (v0 + v));
+                            w[v] = s + (16 * (v0 + v) / dv) * t + i0;  /* its head's */
+                        }
+                    for (int i = 0; i < n; i++)
+                        for (int v = 0; v < 8; v++)
+                            if (v0 + v < nv)
+                                x[v] = _mm512_fmadd_ps(_mm512_set1_ps(w[v][i]),
+                                                       LOAD16(vrow[i] + 16 * (v0 + v)), x[v]);
+                    for (int v = 0; v < 8; v++)
+                        if (v0 + v < nv) _mm512_storeu_ps(acc + 16 * (v0 + v), x[v]);
+                }
+            }
+        } else
+#endif
         for (int64_t i = 0; i < t; i++) {
             const T *vrow = pos[i] + p[i] * ld + v_off;
             for (int h = 0; h < H; h++)
@@ -86,6 +153,9 @@ INLINE void NAME(memory)(const T *q, int64_t q_ld, const T *k, const T *v,
     /* Sentence by sentence and head by head, its g queries at once: each key and value
      * row is converted once for g products. s: (g, S) scores, then weights. */
     float qf[MAX_ROW], acc[MAX_ROW], inv[MAX_HEADS], row[MAX_D];
+#ifdef __AVX512F__
+    float kbuf[16 * 128];  /* 16 keys (or values) as floats: the AVX-512 paths take d <= 128 */
+#endif
     for (int64_t a = a0; a < a1; a++) {
         const uint8_t *msk = mask + a * mask_ld;
         for (int h = 0; h < H; h++) {
@@ -93,6 +163,25 @@ INLINE void NAME(memory)(const T *q, int64_t q_ld, const T *k, const T *v,
             const T *vb = v + (a * H + h) * S * dv;
             for (int64_t j = 0; j < g; j++)
                 NAME(load)(qf + j * dk, q + (a * g + j) * q_ld + (int64_t)h * dk, dk);
+#ifdef __AVX512F__
+            if (dk % 16 == 0 && dk <= 128) {
+                /* 16 keys at a time, converted once for the g queries; masked ones after */
+                const __m512 vscale = _mm512_set1_ps(scale);
+                for (int64_t i0 = 0; i0 < S; i0 += 16) {
+                    int n = S - i0 < 16 ? (int)(S - i0) : 16;
+                    const float *rows[16];
+                    for (int i = 0; i < n; i++) NAME(load)(kbuf + i * dk, kb + (i0 + i) * dk, dk);
+                    for (int i = 0; i < 16; i++) rows[i] = kbuf + (i < n ? i : 0) * dk;
+                    for (int64_t j = 0; j < g; j++) {
+                        __m512 sc = _mm512_mul_ps(scores16_ff(qf + j * dk, rows, dk), vscale);
+                        _mm512_mask_storeu_ps(s + j * S + i0, (__mmask16)((1u << n) - 1u), sc);
+                    }
+                }
+                for (int64_t i = 0; i < S; i++)
+                    if (!msk[i])
+                        for (int64_t j = 0; j < g; j++) s[j * S + i] = -INFINITY;
+            } else
+#endif
             for (int64_t i = 0; i < S; i++) {
                 if (!msk[i]) {
                     for (int64_t j = 0; j < g; j++) s[j * S + i] = -INFINITY;
@@ -104,6 +193,35 @@ INLINE void NAME(memory)(const T *q, int64_t q_ld, const T *k, const T *v,
             }
             softmax_rows(s, g, S, inv);
             for (int j = 0; j < g * dv; j++) acc[j] = 0.0f;
+#ifdef __AVX512F__
+            if (dv % 16 == 0 && dv <= 128) {
+                /* 16 keys at a time, converted once; a query's output vectors (up to 8)
+                 * kept in registers over them, their chains of products overlapping;
+                 * masked keys skipped, as below */
+                const int nv = dv / 16;
+                for (int64_t i0 = 0; i0 < S; i0 += 16) {
+                    int n = S - i0 < 16 ? (int)(S - i0) : 16;
+                    for (int i = 0; i < n; i++)
+                        if (msk[i0 + i]) NAME(load)(kbuf + i * dv, vb + (i0 + i) * dv, dv);
+                    for (int64_t j = 0; j < g; j++) {
+                        const float *w = s + j * S + i0;
+                        __m512 x[8];
+                        for (int v = 0; v < 8; v++)
+                            if (v < nv) x[v] = _mm512_loadu_ps(acc + j * dv + 16 * v);
+                        for (int i = 0; i < n; i++) {
+                            if (!msk[i0 + i]) continue;
+                            __m512 wi = _mm512_set1_ps(w[i]);
+                            for (int v = 0; v < 8; v++)
+                                if (v < nv)
+                                    x[v] = _mm512_fmadd_ps(
+                                        wi, _mm512_loadu_ps(kbuf + i * dv + 16 * v), x[v]);
+                        }
+                        for (int v = 0; v < 8; v++)
+                            if (v < nv) _mm512_storeu_ps(acc + j * dv + 16 * v, x[v]);
+                    }
+                }
+            } else
+#endif
             for (int64_t i = 0; i < S; i++) {
                 if (!msk[i]) continue;
                 NAME(load)(row, vb + i * dv, dv);
