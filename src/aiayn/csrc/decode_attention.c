@@ -93,24 +93,6 @@ static inline __attribute__((always_inline)) __m512 load16_bf16(const uint16_t *
     __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
 }
-
-/* The scores of one float query (dk floats; dk a multiple of 16, at most 128) with 16 float
- * keys rows[0..16) (callers repeat a row for the lanes they do not use): the query held in
- * registers, each key's products summed in one chain, the 16 chains independent. */
-static inline __attribute__((always_inline)) __m512 scores16_ff(const float *q,
-                                                                const float *const *rows,
-                                                                const int dk) {
-    __m512 qv[8], part[16];
-    for (int c = 0; c < 8; c++)
-        if (16 * c < dk) qv[c] = _mm512_loadu_ps(q + 16 * c);
-    for (int i = 0; i < 16; i++) {
-        __m512 acc = _mm512_setzero_ps();
-        for (int c = 0; c < 8; c++)
-            if (16 * c < dk) acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(rows[i] + 16 * c), acc);
-        part[i] = acc;
-    }
-    return sum16(part);
-}
 #endif
 
 /* Softmax of each of `rows` segments of n entries (s[r*n .. r*n+n)), in place, up to the

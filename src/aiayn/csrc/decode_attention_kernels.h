@@ -29,7 +29,10 @@ INLINE void NAME(store)(T *dst, const float *acc, float inv, int d) {
 }
 
 #ifdef __AVX512F__
-/* scores16_ff (decode_attention.c) for keys of type T, converted as they are read */
+/* The scores of one float query (dk floats; dk a multiple of 16, at most 128) with 16 keys
+ * rows[0..16) of type T, converted as they are read (callers repeat a row for the lanes
+ * they do not use): the query held in registers, each key's products summed in one chain,
+ * the 16 chains independent, their sums taken together (sum16). */
 INLINE __m512 NAME(scores16)(const float *q, const T *const *rows, const int dk) {
     __m512 qv[8], part[16];
     for (int c = 0; c < 8; c++)
@@ -165,7 +168,8 @@ INLINE void NAME(memory)(const T *q, int64_t q_ld, const T *k, const T *v,
                 NAME(load)(qf + j * dk, q + (a * g + j) * q_ld + (int64_t)h * dk, dk);
 #ifdef __AVX512F__
             if (dk % 16 == 0 && dk <= 128) {
-                /* 16 keys at a time, converted once for the g queries; masked ones after */
+                /* 16 keys at a time, converted once for the g queries (to floats, hence
+                 * the float instantiation's scores16); masked ones after */
                 const __m512 vscale = _mm512_set1_ps(scale);
                 for (int64_t i0 = 0; i0 < S; i0 += 16) {
                     int n = S - i0 < 16 ? (int)(S - i0) : 16;
@@ -173,7 +177,7 @@ INLINE void NAME(memory)(const T *q, int64_t q_ld, const T *k, const T *v,
                     for (int i = 0; i < n; i++) NAME(load)(kbuf + i * dk, kb + (i0 + i) * dk, dk);
                     for (int i = 0; i < 16; i++) rows[i] = kbuf + (i < n ? i : 0) * dk;
                     for (int64_t j = 0; j < g; j++) {
-                        __m512 sc = _mm512_mul_ps(scores16_ff(qf + j * dk, rows, dk), vscale);
+                        __m512 sc = _mm512_mul_ps(scores16_f32(qf + j * dk, rows, dk), vscale);
                         _mm512_mask_storeu_ps(s + j * S + i0, (__mmask16)((1u << n) - 1u), sc);
                     }
                 }
