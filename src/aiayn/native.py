@@ -192,7 +192,7 @@ def lse_topk(logits: Tensor, k: int, exclude: tuple[int, ...]) -> tuple[Tensor, 
     lib = library()
     if lib is None:
         return None
-    fn = lib.aiayn_lse_topk_bf16 if logits.dtype == torch.bfloat16 else lib.aiayn_lse_topk_f32
+    fn = getattr(lib, f"aiayn_lse_topk_{_suffix(logits.dtype)}")
     val = torch.empty(r, k, dtype=torch.float32)
     idx = torch.empty(r, k, dtype=torch.int64)
     bufs = torch.empty(2, v, dtype=torch.float32)
