@@ -17,6 +17,7 @@ from aiayn.batching import decode_batches
 from aiayn.config import EOS_ID, DecodeConfig, ModelConfig
 from aiayn.model import Transformer
 from aiayn.translate import (
+    Int8Linear,
     can_pack_bf16,
     cast_for_inference,
     decode_lines,
@@ -130,12 +131,15 @@ def test_long_line_truncated_with_warning_naming_it(model: EosRamp,
 
 
 @pytest.mark.rows("F6")
-def test_batch_size_does_not_change_outputs(model: EosRamp) -> None:
+@pytest.mark.parametrize("dtype", ["fp32", "int8"])
+def test_batch_size_does_not_change_outputs(model: EosRamp, dtype: str) -> None:
     """RELIABILITY F6 (CPU fp32): batches of 1 sentence, a few, and all give identical
-    output strings."""
+    output strings. int8 too: each row gets its own activation scale and the integer
+    products are exact, so no row depends on what else is in the batch."""
+    m = cast_for_inference(copy.deepcopy(model), dtype)
     lines = sentences(20, seed=3)
-    outputs = [translate_lines(model, TOK, lines, replace(CFG, max_tokens=m))
-               for m in (1, 7, 40, 100_000)]
+    outputs = [translate_lines(m, TOK, lines, replace(CFG, max_tokens=n))
+               for n in (1, 7, 40, 100_000)]
     assert all(o == outputs[0] for o in outputs[1:])
 
 
@@ -323,6 +327,7 @@ def test_inference_precisions_translate_every_line(model: EosRamp) -> None:
         assert len(out) == len(ref) and [x == "" for x in out] == [x == "" for x in ref]
         if dtype == "int8":
             assert not any(type(x) is torch.nn.Linear for x in m.modules())
+            assert isinstance(m.generator, Int8Linear)
         else:
             assert all(p.dtype == torch.bfloat16 for p in m.parameters())
     with pytest.raises(ValueError, match="fp16"):
@@ -369,6 +374,57 @@ def test_packed_bf16_linears_match_plain_bf16_and_keep_the_model_intact() -> Non
         torch.testing.assert_close(got.float(), want.float(), rtol=0.05, atol=0.05)
         for clone in (copy.deepcopy(m), pickle.loads(pickle.dumps(m))):
             assert torch.equal(clone(src, src), got)
+
+
+def _quantized(t: Tensor) -> tuple[Tensor, Tensor]:
+    """Symmetric int8 per row, from the definition, in float64: (integers, scales)."""
+    amax = t.double().abs().amax(dim=1, keepdim=True)
+    q = torch.where(amax > 0, torch.round(t.double() * (127 / amax)), 0.0)
+    return q, amax / 127
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_int8_linear_is_the_product_of_the_quantized_operands(bias: bool, monkeypatch) -> None:
+    """Int8Linear computes (s_x q_x)(s_w q_w)^T + b: the same integers as quantizing by the
+    definition, the product exact, one float rounding; and it stays within the analytic
+    bound of the quantization error from the float32 Linear:
+    |y - y_int8| <= sum_k |x_k| s_w / 2 + |w~_k| s_x / 2 (each operand off by half a
+    step). The same with PyTorch ops (no compiled library) and without torch._int_mm."""
+    import aiayn.translate as tr
+    from aiayn import native
+
+    torch.manual_seed(1)
+    lin = torch.nn.Linear(200, 72, bias=bias).requires_grad_(False)
+    lin.weight[5].zero_()  # an all-zero output column
+    layer = Int8Linear(lin)
+    qw, sw = _quantized(lin.weight)
+    assert torch.equal(layer.weight_int8, qw.to(torch.int8))
+    x = torch.randn(4, 9, 200) * torch.rand(4, 9, 1) * 3
+    x[1, 2] = 0.0  # an all-zero input row
+    cases = {"native": None, "torch ops": (native, "library", lambda: None),
+             "no _int_mm": (tr, "_has_int_mm", lambda: False)}
+    outs = {}
+    for name, patch in cases.items():
+        if patch is not None:
+            monkeypatch.setattr(*patch)
+        outs[name] = layer(x)
+        monkeypatch.undo()
+    x2 = x.reshape(-1, 200)
+    qx, sx = _quantized(x2)
+    exact = (qx @ qw.t()) * sx * sw.t() + (lin.bias.double() if bias else 0.0)
+    ref = lin(x2).double()
+    bound = (x2.double().abs().sum(1, keepdim=True) * sw.t() / 2
+             + sx / 2 * (qw * sw).abs().sum(1)[None, :])
+    for name, y in outs.items():
+        assert y.shape == (4, 9, 72) and y.dtype == torch.float32, name
+        y2 = y.reshape(-1, 72).double()
+        torch.testing.assert_close(y2, exact, rtol=1e-6, atol=1e-6, msg=name)
+        assert ((y2 - ref).abs() <= bound + 1e-5).all(), name
+        assert (y2[:, 5] == (lin.bias[5] if bias else 0.0)).all(), name
+    assert torch.equal(outs["native"][1, 2], lin.bias if bias else torch.zeros(72))
+    assert layer(torch.randn(0, 200)).shape == (0, 72)
+    strided = x.transpose(0, 1)  # not contiguous: reshaped into a copy
+    torch.testing.assert_close(layer(strided), outs["native"].transpose(0, 1))
 
 
 def test_tune_alpha_keeps_the_alpha_whose_translations_match_the_references(

@@ -61,7 +61,7 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 #: Compiled together into one library; the headers are part of its cache key.
 SOURCES = (CSRC / "beam_step.c", CSRC / "decode_attention.c", CSRC / "dropout.c",
-           CSRC / "smoothed_ce.c")
+           CSRC / "smoothed_ce.c", CSRC / "int8_linear.c")
 HEADERS = (CSRC / "simd_math.h", CSRC / "decode_attention_kernels.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
          "-fPIC", "-shared")
@@ -78,6 +78,11 @@ _SIGNATURES: dict[str, list[Any]] = {
                                _INT, _INT, _INT, _F, _P, _P, _I64],
     "aiayn_memory_attention": [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _INT,
                                _INT, _INT, _F, _P, _P, _I64],
+}
+#: Functions of one type only (no _bf16 / _f32 pair).
+_PLAIN_SIGNATURES: dict[str, list[Any]] = {
+    "aiayn_quantize_rows": [_P, _I64, _I64, _I64, _I64, _P, _P],
+    "aiayn_dequantize_rows": [_P, _I64, _I64, _I64, _P, _P, _P],
 }
 #: Sizes the attention kernels take at most (MAX_D, MAX_ROW, MAX_HEADS in the C code):
 #: d_k and d_v; h*d_k, h*d_v and (rows per sentence)*d_v; h and rows per sentence.
@@ -150,6 +155,9 @@ def library() -> ctypes.CDLL | None:
             fn = getattr(lib, f"{stem}_{suffix}")
             scale = _U16 if suffix == "bf16" else _F
             fn.argtypes, fn.restype = [scale if a is None else a for a in args], None
+    for name, args in _PLAIN_SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, None
     return lib
 
 
@@ -346,3 +354,40 @@ def smoothed_ce(logits: Tensor, target: Tensor, eps: float, write_grad: bool
 
     _in_two_parts(n, MIN_ROWS_PER_THREAD, run)
     return lse, picked, total
+
+
+def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor] | None:
+    """Each row of the (R, K) float32 CPU matrix `x` (unit column stride) as int8 with
+    its own scale: (R, K) int8 q and (R,) float32 s, q = round(x * 127 / max|x|) (ties to
+    even), s = max|x| / 127, so x ~ s q. None without the library."""
+    lib = library()
+    if lib is None:
+        return None
+    assert x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1
+    r, k = x.shape
+    q = torch.empty(r, k, dtype=torch.int8)
+    scale = torch.empty(r, dtype=torch.float32)
+
+    # one thread: handing half the rows to the helper thread cost ~30 us a call, more than
+    # these passes take at decoding sizes (~10 us for 256 x 128; 190 us to dequantize
+    # 256 x 8,000, which two threads did not speed up)
+    lib.aiayn_quantize_rows(x.data_ptr(), x.stride(0), 0, r, k, q.data_ptr(), scale.data_ptr())
+    return q, scale
+
+
+def dequantize_rows(acc: Tensor, row_scale: Tensor, col_scale: Tensor, bias: Tensor | None
+                    ) -> Tensor | None:
+    """The (R, N) int32 products `acc` as float32, in place (the result shares acc's
+    memory): acc * row_scale[:, None] * col_scale (+ bias). None without the library."""
+    lib = library()
+    if lib is None:
+        return None
+    assert acc.dtype == torch.int32 and acc.is_contiguous() and acc.dim() == 2
+    assert row_scale.is_contiguous() and col_scale.is_contiguous()
+    assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
+    r, n = acc.shape
+    b = None if bias is None else bias.data_ptr()
+
+    lib.aiayn_dequantize_rows(acc.data_ptr(), 0, r, n, row_scale.data_ptr(),
+                              col_scale.data_ptr(), b)  # one thread, as quantize_rows
+    return acc.view(torch.float32)

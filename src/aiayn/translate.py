@@ -34,6 +34,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
+from aiayn import native
 from aiayn.batching import decode_batches
 from aiayn.config import EOS_ID, PAD_ID, UNK_ID, DecodeConfig
 from aiayn.ensemble import Ensemble
@@ -127,6 +128,89 @@ class PackedLinear(nn.Module):
                 f"bias={self.bias is not None}, packed=onednn")
 
 
+class Int8Linear(nn.Module):
+    """An `nn.Linear` for CPU inference with int8 weights and int8 activations (dynamic
+    quantization): y ~ s_x s_w (q_x q_W^T) + b.
+
+    The weight is quantized once, symmetrically, with one scale per output column
+    (s_w = max|W_j| / 127); each input row gets its own scale at run time (s_x =
+    max|x_i| / 127). The integer product is `torch._int_mm` (int8 x int8 -> int32, exact;
+    oneDNN's VNNI or AMX-int8 kernels), the passes before and after it are
+    `native.quantize_rows` / `native.dequantize_rows` (PyTorch ops without the compiled
+    library). This replaces `torch.ao.quantization.quantize_dynamic`, which PyTorch has
+    deprecated (it printed a warning on every run) and whose activations share one scale
+    per call. float32 in and out; no gradient.
+    """
+
+    weight_int8: Tensor  # (out, in) int8
+    weight_scale: Tensor  # (out,) float32
+    bias: Tensor | None
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        w = linear.weight.detach().float()
+        amax = w.abs().amax(dim=1)
+        inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+        self.register_buffer("weight_int8", torch.round(w * inv[:, None]).to(torch.int8))
+        self.register_buffer("weight_scale", amax / 127.0)
+        bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
+        self.register_buffer("bias", bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if x2.stride(-1) != 1 or x2.dtype != torch.float32:
+            x2 = x2.float().contiguous()
+        q = native.quantize_rows(x2)
+        if q is None:
+            amax = x2.abs().amax(dim=1)
+            inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+            q = (torch.round(x2 * inv[:, None]).to(torch.int8), amax / 127.0)
+        x_int8, x_scale = q
+        acc = int8_matmul(x_int8, self.weight_int8)
+        y = native.dequantize_rows(acc, x_scale, self.weight_scale, self.bias)
+        if y is None:
+            y = acc.float().mul_(x_scale[:, None]).mul_(self.weight_scale)
+            if self.bias is not None:
+                y.add_(self.bias)
+        return y.view(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, int8")
+
+
+def int8_matmul(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b.T for int8 (M, K) and (N, K): (M, N) int32, exact. `torch._int_mm` where this
+    build has it for the CPU; else float32 products of the integers (exact while
+    K * 127 * 127 < 2^24, i.e. K <= 1,040, and within float32 rounding beyond)."""
+    if _has_int_mm():
+        return torch._int_mm(a, b.t())
+    return torch.round(a.float() @ b.float().t()).to(torch.int32)
+
+
+@functools.cache
+def _has_int_mm() -> bool:
+    try:
+        a = torch.tensor([[1, -2, 3]], dtype=torch.int8)
+        b = torch.tensor([[4, 5, -6], [127, -128, 1]], dtype=torch.int8)
+        return bool(torch.equal(torch._int_mm(a, b.t()),
+                                torch.tensor([[-24, 386]], dtype=torch.int32)))
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+
+
+def quantize_linears(model: nn.Module) -> nn.Module:
+    """Replace every CPU `nn.Linear` of `model` by an `Int8Linear`, in place (a tied
+    embedding keeps its float weight; the output projection gets an int8 copy)."""
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is nn.Linear and child.weight.device.type == "cpu":
+                setattr(module, name, Int8Linear(child))
+    return model
+
+
 @functools.cache
 def can_pack_bf16() -> bool:
     """Whether this PyTorch build and CPU run oneDNN's packed bf16 linear (x86 CPUs with
@@ -158,8 +242,9 @@ def pack_linears(model: nn.Module) -> nn.Module:
 def cast_for_inference(model: Transformer, dtype: str) -> Transformer:
     """The model in an inference precision: "fp32" as trained, "bf16" (weights and
     activations; AMX on recent Intel CPUs, with the weights packed for oneDNN once), or
-    "int8" (dynamic quantization of every Linear: int8 weights, activations quantized per
-    batch; CPU only). Parameters stop requiring gradients: this is for decoding only."""
+    "int8" (dynamic quantization of every Linear, `Int8Linear`: int8 weights per output
+    column, activations quantized per row at run time; CPU only). Parameters stop
+    requiring gradients: this is for decoding only."""
     if dtype not in INFERENCE_DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(INFERENCE_DTYPES)}, got {dtype!r}")
     model.requires_grad_(False)
@@ -172,16 +257,11 @@ def cast_for_inference(model: Transformer, dtype: str) -> Transformer:
             pack_linears(model)
         return model
     if dtype == "int8":
-        from torch.ao.quantization import quantize_dynamic
-
         device = next(model.parameters()).device
         if device.type != "cpu":
             raise ValueError(f"dtype int8 (dynamic quantization) runs on the CPU only, not on "
                              f"{device}: use bf16 there")
-
-        cfg = model.cfg
-        model = quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
-        model.cfg = cfg  # quantize_dynamic copies the module; keep its config visible
+        quantize_linears(model)
     return model
 
 

@@ -1,0 +1,52 @@
+/* The float sides of an int8 linear layer for CPU decoding (see translate.Int8Linear).
+ *
+ * y = x W^T + b with W stored as int8 with one scale per output column (s_w) and x
+ * quantized per row at run time (s_x): x ~ s_x q_x, W ~ q_W s_w, so
+ * y ~ s_x s_w (q_x q_W^T) + b, the integer product done by torch._int_mm (int8 x int8 ->
+ * int32; oneDNN's VNNI / AMX-int8 kernels). These two functions are the passes before and
+ * after it: each reads its rows once, where PyTorch ops make four or five passes (absolute
+ * value, max, divide, round, cast; cast, two scalings, bias).
+ */
+#include <math.h>
+#include <stdint.h>
+
+/* Rows [r0, r1) of x (row stride ld, k columns) to int8: q = rint(x * 127 / max|x|),
+ * scale = max|x| / 127 (0 and an all-zero row where the row is all zero). */
+void aiayn_quantize_rows(const float *x, int64_t ld, int64_t r0, int64_t r1, int64_t k,
+                         int8_t *q, float *scale) {
+    for (int64_t r = r0; r < r1; r++) {
+        const float *row = x + r * ld;
+        float m = 0.0f;
+#pragma omp simd reduction(max : m)
+        for (int64_t j = 0; j < k; j++) {
+            const float a = fabsf(row[j]);  /* not fmaxf: gcc called it per element */
+            m = a > m ? a : m;
+        }
+        const float inv = m > 0.0f ? 127.0f / m : 0.0f;
+        scale[r] = m / 127.0f;
+        int8_t *out = q + r * k;
+#pragma omp simd
+        for (int64_t j = 0; j < k; j++)
+            out[j] = (int8_t)rintf(row[j] * inv);
+    }
+}
+
+/* Rows [r0, r1) of the (rows, n) int32 products, in place to float32:
+ * y = acc * row_scale[r] * col_scale[j] (+ bias[j] where bias is not NULL). */
+void aiayn_dequantize_rows(void *acc, int64_t r0, int64_t r1, int64_t n,
+                           const float *row_scale, const float *col_scale, const float *bias) {
+    for (int64_t r = r0; r < r1; r++) {
+        const int32_t *in = (const int32_t *)acc + r * n;
+        float *out = (float *)acc + r * n;
+        const float s = row_scale[r];
+        if (bias) {
+#pragma omp simd
+            for (int64_t j = 0; j < n; j++)
+                out[j] = (float)in[j] * s * col_scale[j] + bias[j];
+        } else {
+#pragma omp simd
+            for (int64_t j = 0; j < n; j++)
+                out[j] = (float)in[j] * s * col_scale[j];
+        }
+    }
+}
