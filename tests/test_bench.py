@@ -76,6 +76,23 @@ def test_bench_train_and_decode_report_the_protocol_fields():
     assert decode["native_attention"] == (native.library() is not None)
 
 
+def test_int8_ceiling_is_measured_with_the_int8_product_and_training_refuses_int8(monkeypatch):
+    """int8 decoding's peak_fraction is against the rate of the product it runs
+    (torch._int_mm, int8 x int8 -> int32), not float32's; int8 is not a training mode."""
+    from aiayn.flops import matmul_peak
+
+    calls = []
+    real = torch._int_mm
+    monkeypatch.setattr(torch, "_int_mm",
+                        lambda a, b: calls.append((a.dtype, b.dtype, tuple(b.shape))) or real(a, b))
+    assert matmul_peak(torch.int8, n=64, repeats=2) > 0
+    assert calls == [(torch.int8, torch.int8, (64, 64))] * 4  # two warm-up, two timed
+    with pytest.raises(ValueError, match="int8 is a decoding mode"):
+        bench_train("tiny", "int8", steps=1, warmup=0, vocab=200, batch=8, peak=False)
+    with pytest.raises(ValueError, match="fp16"):
+        bench_decode("tiny", "fp16", beam=2, out_len=5, sentences=6, batch=4, vocab=200)
+
+
 def test_compare_table_ratios_use_each_peers_best_round():
     """benchmarks/compare.py's ratios are conservative: with --rounds, aiayn's rows are
     divided by the best measurement of each peer in the run (HF and each CTranslate2

@@ -27,7 +27,9 @@ from aiayn.config import BOS_ID, EOS_ID, PAD_ID, get_preset
 from aiayn.flops import forward_flops, matmul_peak, peak_size, training_flops
 from aiayn.model import Transformer
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+#: The products' type per mode: int8 decoding's ceiling is the int8 product rate.
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
+TRAIN_DTYPES = ("fp32", "bf16")
 FIRST_TOKEN = 4  # ids below are PAD, UNK, BOS, EOS
 
 
@@ -109,6 +111,9 @@ def bench_train(preset: str = "base", dtype: str = "bf16", device: str = "cpu", 
     its batches vary); the compilation happens in the warm-up steps, reported as
     `warmup_seconds`, not in the median.
     """
+    if dtype not in TRAIN_DTYPES:
+        raise ValueError(f"training runs in {' or '.join(TRAIN_DTYPES)}, not {dtype!r} "
+                         "(int8 is a decoding mode: bench decode --dtype int8)")
     dev = torch.device(device)
     # The ceiling is measured first: measured after the training steps, in the same
     # process, it came out 2-3x lower on the CPU (cause not established).
@@ -187,7 +192,9 @@ def bench_decode(preset: str = "base", dtype: str = "fp32", device: str = "cpu",
     check_workers(workers, device)
     cfg = get_preset(preset)
     dev = torch.device(device)
-    p = matmul_peak(DTYPES.get(dtype, torch.float32), device=device) if peak else None
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    p = matmul_peak(DTYPES[dtype], device=device) if peak else None
     model = random_model(preset, vocab).to(dev).eval()
     model = cast_for_inference(model, dtype)
     wrapped = _NoEarlyEOS(model)

@@ -374,7 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("what", choices=["train", "decode", "peak"])
     p.add_argument("--preset", default="base")
     p.add_argument("--dtype", default="bf16",
-                   help="fp32, bf16 (decode also int8); a comma-separated list runs each")
+                   help="fp32, bf16 (decode and peak also int8); a comma-separated list runs each")
     p.add_argument("--device", default="cpu")
     p.add_argument("--steps", type=int, default=10, help="train: timed steps (median)")
     p.add_argument("--beam", type=int, default=4, help="decode: beam size (1 = greedy)")

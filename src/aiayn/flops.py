@@ -66,17 +66,24 @@ def matmul_peak(dtype: torch.dtype = torch.float32, n: int | None = None, repeat
     """Measured matrix-product rate (FLOP/s) of an n x n x n product: the machine's ceiling.
 
     The median of `repeats` timed products after two warm-up ones; n defaults to
-    `peak_size(device)`.
+    `peak_size(device)`. dtype torch.int8: int8 x int8 -> int32 products by
+    `torch._int_mm`, as int8 decoding runs them (`translate.Int8Linear`), in operations/s.
     """
     n = n or peak_size(device)
-    a = torch.randn(n, n, dtype=dtype, device=device)
-    b = torch.randn(n, n, dtype=dtype, device=device)
+    if dtype == torch.int8:
+        a = torch.randint(-127, 128, (n, n), dtype=dtype, device=device)
+        b = torch.randint(-127, 128, (n, n), dtype=dtype, device=device)
+        product = torch._int_mm
+    else:
+        a = torch.randn(n, n, dtype=dtype, device=device)
+        b = torch.randn(n, n, dtype=dtype, device=device)
+        product = torch.mm
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     times = []
     for i in range(repeats + 2):
         sync()
         t0 = time.perf_counter()
-        torch.mm(a, b)
+        product(a, b)
         sync()
         if i >= 2:
             times.append(time.perf_counter() - t0)
