@@ -1,5 +1,6 @@
 """Compiled code for the CPU: the beam step's normaliser and top-k (csrc/beam_step.c), the
-decoding step's attention (csrc/decode_attention.c), and, for training, dropout masks
+decoding step's attention (csrc/decode_attention.c), int8 decoding's quantizing and
+dequantizing passes (csrc/int8_linear.c), and, for training, dropout masks
 (csrc/dropout.c) and the label-smoothed loss over the logits (csrc/smoothed_ce.c).
 
 Why the beam step: each beam-search step turns the model's (rows, V) next-token logits into every
@@ -23,6 +24,11 @@ Why the dropout masks: PyTorch draws CPU random numbers one at a time from a Mer
 Twister on one thread (~3.7 ms for one (4,416 x 512) mask of a base training step, 32
 masks a step); `dropout_multiplier` draws them from a counter-based generator in
 vectorised C (~0.3 ms), seeded from PyTorch's generator.
+
+Why the int8 passes: `translate.Int8Linear` quantizes each input row with its own scale
+before `torch._int_mm` and scales the int32 products back after it; with PyTorch ops that
+is four or five passes each side (~10 operator calls) per layer and decoding step,
+`quantize_rows` and `dequantize_rows` read each row once.
 
 Why the loss: `loss._smoothed_ce_rows` works through the (tokens, V) logits table in
 64-row blocks with 14 PyTorch operator calls and six passes each; `smoothed_ce` reads a
