@@ -115,8 +115,8 @@ def test_fused_projection_and_loss_equal_the_definition(eps):
     f2, w2 = features.clone().requires_grad_(), weight.clone().requires_grad_()
     ref_loss, ref_nll = label_smoothed_loss(f2 @ w2.t(), target, eps)
     (3.0 * ref_loss).backward()
-    assert float(loss) == pytest.approx(float(ref_loss), rel=1e-12)
-    assert float(nll) == pytest.approx(float(ref_nll), rel=1e-12)
+    assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-12)
+    assert nll.item() == pytest.approx(ref_nll.item(), rel=1e-12)
     torch.testing.assert_close(f1.grad, f2.grad, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(w1.grad, w2.grad, rtol=1e-10, atol=1e-12)
     assert f1.grad[target == PAD_ID].abs().max() == 0
@@ -138,8 +138,8 @@ def test_loss_rows_in_c_equal_the_definition_in_float32(eps):
     f2, w2 = features.double().requires_grad_(), weight.double().requires_grad_()
     ref_loss, ref_nll = label_smoothed_loss(f2 @ w2.t(), target, eps)
     ref_loss.backward()
-    assert float(loss) == pytest.approx(float(ref_loss), rel=1e-6)
-    assert float(nll) == pytest.approx(float(ref_nll), rel=1e-6)
+    assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-6)
+    assert nll.item() == pytest.approx(ref_nll.item(), rel=1e-6)
     torch.testing.assert_close(f1.grad.double(), f2.grad, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(w1.grad.double(), w2.grad, rtol=1e-4, atol=1e-6)
     with torch.no_grad():
@@ -220,7 +220,7 @@ def _assert_fused_bf16_as_accurate(features: torch.Tensor, weight: torch.Tensor,
             loss = fn(f, w)
         (loss * scale).backward()
         assert f.grad.dtype == w.grad.dtype == torch.float32
-        errors[name] = [abs(float(loss) - float(ref)) / float(ref),
+        errors[name] = [abs(loss.item() - float(ref)) / float(ref),
                         rel(f.grad, exact_f.grad), rel(w.grad, exact_w.grad)]
     for fused_error, unfused_error in zip(errors["fused"], errors["unfused"], strict=True):
         assert fused_error < 1.5 * unfused_error + 1e-6, errors
