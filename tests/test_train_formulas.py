@@ -220,7 +220,7 @@ def _assert_fused_bf16_as_accurate(features: torch.Tensor, weight: torch.Tensor,
             loss = fn(f, w)
         (loss * scale).backward()
         assert f.grad.dtype == w.grad.dtype == torch.float32
-        errors[name] = [abs(loss.item() - float(ref)) / float(ref),
+        errors[name] = [abs(loss.item() - ref.item()) / ref.item(),
                         rel(f.grad, exact_f.grad), rel(w.grad, exact_w.grad)]
     for fused_error, unfused_error in zip(errors["fused"], errors["unfused"], strict=True):
         assert fused_error < 1.5 * unfused_error + 1e-6, errors
