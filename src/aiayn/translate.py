@@ -135,7 +135,7 @@ class Int8Linear(nn.Module):
     The weight is quantized once, symmetrically, with one scale per output column
     (s_w = max|W_j| / 127); each input row gets its own scale at run time (s_x =
     max|x_i| / 127). The integer product is `torch._int_mm` (int8 x int8 -> int32, exact;
-    oneDNN's VNNI or AMX-int8 kernels), the passes before and after it are
+    oneDNN's s8 GEMM in PyTorch's CPU build), the passes before and after it are
     `native.quantize_rows` / `native.dequantize_rows` (PyTorch ops without the compiled
     library). This replaces `torch.ao.quantization.quantize_dynamic`, which PyTorch has
     deprecated (it printed a warning on every run) and whose activations share one scale

@@ -3,7 +3,7 @@
  * y = x W^T + b with W stored as int8 with one scale per output column (s_w) and x
  * quantized per row at run time (s_x): x ~ s_x q_x, W ~ q_W s_w, so
  * y ~ s_x s_w (q_x q_W^T) + b, the integer product done by torch._int_mm (int8 x int8 ->
- * int32; oneDNN's VNNI / AMX-int8 kernels). These two functions are the passes before and
+ * int32; oneDNN's s8 GEMM). These two functions are the passes before and
  * after it: each reads its rows once, where PyTorch ops make four or five passes (absolute
  * value, max, divide, round, cast; cast, two scalings, bias).
  */
