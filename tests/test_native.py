@@ -420,7 +420,7 @@ def test_training_kernels_fall_back_where_the_c_code_does_not_apply(monkeypatch)
 def test_int8_row_kernels_are_the_definition_whatever_the_threads() -> None:
     """quantize_rows: q = round(x * 127 / max|x|) (ties to even), s = max|x| / 127, rows
     read with their stride; dequantize_rows: acc * s_row * s_col + bias, in place. The
-    same bits on one thread and split between two."""
+    same bits whatever PyTorch's thread count (the passes run on the calling thread)."""
     g = torch.Generator().manual_seed(7)
     wide = torch.randn(150, 300, generator=g) * 5
     x = wide[:, 10:267]  # row stride 300, 257 columns

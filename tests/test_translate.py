@@ -383,7 +383,7 @@ def _quantized(t: Tensor) -> tuple[Tensor, Tensor]:
 @pytest.mark.parametrize("bias", [True, False])
 def test_int8_linear_is_the_product_of_the_quantized_operands(bias: bool, monkeypatch) -> None:
     """Int8Linear computes (s_x q_x)(s_w q_w)^T + b: the same integers as quantizing by the
-    definition, the product exact, one float rounding; and it stays within the analytic
+    definition, the product exact, float32 rounding after it; and it stays within the analytic
     bound of the quantization error from the float32 Linear:
     |y - y_int8| <= sum_k |x_k| s_w / 2 + |w~_k| s_x / 2 (each operand off by half a
     step). The same with PyTorch ops (no compiled library) and without torch._int_mm."""
