@@ -149,11 +149,9 @@ class Int8Linear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        w = linear.weight.detach().float()
-        amax = w.abs().amax(dim=1)
-        inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-        self.register_buffer("weight_int8", torch.round(w * inv[:, None]).to(torch.int8))
-        self.register_buffer("weight_scale", amax / 127.0)
+        weight_int8, weight_scale = quantize_per_row(linear.weight.detach().float())
+        self.register_buffer("weight_int8", weight_int8)
+        self.register_buffer("weight_scale", weight_scale)
         bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
         self.register_buffer("bias", bias)
 
@@ -162,12 +160,7 @@ class Int8Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if x2.stride(-1) != 1 or x2.dtype != torch.float32:
             x2 = x2.float().contiguous()
-        q = native.quantize_rows(x2)
-        if q is None:
-            amax = x2.abs().amax(dim=1)
-            inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-            q = (torch.round(x2 * inv[:, None]).to(torch.int8), amax / 127.0)
-        x_int8, x_scale = q
+        x_int8, x_scale = native.quantize_rows(x2) or quantize_per_row(x2)
         acc = int8_matmul(x_int8, self.weight_int8)
         y = native.dequantize_rows(acc, x_scale, self.weight_scale, self.bias)
         if y is None:
@@ -179,6 +172,15 @@ class Int8Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, int8")
+
+
+def quantize_per_row(t: Tensor) -> tuple[Tensor, Tensor]:
+    """Symmetric int8 per row of a 2-D float32 tensor, with PyTorch ops: (int8 q, float32
+    scale), q = round(t * 127 / max|t|) (ties to even), scale = max|t| / 127; an all-zero
+    row gives zeros and scale 0. `native.quantize_rows` computes the same in C."""
+    amax = t.abs().amax(dim=1)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return torch.round(t * inv[:, None]).to(torch.int8), amax / 127.0
 
 
 def int8_matmul(a: Tensor, b: Tensor) -> Tensor:
