@@ -90,6 +90,11 @@ class TrainConfig:
     max_len: int = 256  # training pairs with a longer side (in subwords) are filtered
     max_len_ratio: float = 9.0  # pairs whose length ratio exceeds this are filtered
     seed: int = 1
+    # BPE-dropout (Provilkov et al., 2020; not in the paper, which segments once): every
+    # epoch re-segments the training text, discarding each BPE merge with this probability
+    # (data.BPEDropout); 0 = the prepared segmentation. A regulariser for small corpora;
+    # validation and decoding never use it. The draws depend on (seed, epoch) only.
+    bpe_dropout: float = 0.0
     dtype: DType = "fp32"
     # torch.compile the model's forward (dynamic shapes): fused element-wise kernels and
     # fewer launches, for GPUs. On one H100 the recipe model's steps ran 1.24x faster, after
@@ -145,6 +150,8 @@ class TrainConfig:
                      "rdrop_alpha"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+        if not 0.0 <= self.bpe_dropout < 1.0:
+            raise ConfigError(f"train.bpe_dropout must be in [0, 1), got {self.bpe_dropout}")
         if self.max_len_ratio < 1.0:
             raise ConfigError(f"train.max_len_ratio must be >= 1, got {self.max_len_ratio}")
         if self.dtype not in ("fp32", "bf16"):

@@ -1,7 +1,8 @@
 """Compiled code for the CPU: the beam step's normaliser and top-k (csrc/beam_step.c), the
 decoding step's attention (csrc/decode_attention.c), int8 decoding's quantizing and
 dequantizing passes (csrc/int8_linear.c), and, for training, dropout masks
-(csrc/dropout.c) and the label-smoothed loss over the logits (csrc/smoothed_ce.c).
+(csrc/dropout.c), the label-smoothed loss over the logits (csrc/smoothed_ce.c) and
+BPE-dropout's segmentations (csrc/bpe_dropout.c).
 
 Why the beam step: each beam-search step turns the model's (rows, V) next-token logits into every
 row's k best log-probabilities: log P = logit - logsumexp(logits). With PyTorch ops that is
@@ -33,6 +34,10 @@ is four or five passes each side (~10 operator calls) per layer and decoding ste
 Why the loss: `loss._smoothed_ce_rows` works through the (tokens, V) logits table in
 64-row blocks with 14 PyTorch operator calls and six passes each; `smoothed_ce` reads a
 row once into a buffer in cache and makes three passes there.
+
+Why BPE-dropout's segmentations: every epoch re-merges each of the ~750,000 words of
+Multi30k's training text from its characters, a loop of small lookups that takes
+~0.5 s in C and tens of seconds in Python (`data._bpe_dropout_words`, the fallback).
 
 Built on first use with the system's C compiler (`$CC`, else `cc`) for this CPU
 (`-march=native`), cached under `$AIAYN_CACHE_DIR` (default `~/.cache/aiayn`) by a key of
@@ -67,7 +72,7 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 #: Compiled together into one library; the headers are part of its cache key.
 SOURCES = (CSRC / "beam_step.c", CSRC / "decode_attention.c", CSRC / "dropout.c",
-           CSRC / "smoothed_ce.c", CSRC / "int8_linear.c")
+           CSRC / "smoothed_ce.c", CSRC / "int8_linear.c", CSRC / "bpe_dropout.c")
 HEADERS = (CSRC / "simd_math.h", CSRC / "decode_attention_kernels.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
          "-fPIC", "-shared")
@@ -89,6 +94,7 @@ _SIGNATURES: dict[str, list[Any]] = {
 _PLAIN_SIGNATURES: dict[str, list[Any]] = {
     "aiayn_quantize_rows": [_P, _I64, _I64, _I64, _I64, _P, _P],
     "aiayn_dequantize_rows": [_P, _I64, _I64, _I64, _P, _P, _P],
+    "aiayn_bpe_dropout": [_P, _P, _I64, _I64, _P, _P, _P, _I64, _I64, _U64, _U64, _P, _P],
 }
 #: Sizes the attention kernels take at most (MAX_D, MAX_ROW, MAX_HEADS in the C code):
 #: d_k and d_v; h*d_k, h*d_v and (rows per sentence)*d_v; h and rows per sentence.
@@ -397,3 +403,21 @@ def dequantize_rows(acc: Tensor, row_scale: Tensor, col_scale: Tensor, bias: Ten
     lib.aiayn_dequantize_rows(acc.data_ptr(), 0, r, n, row_scale.data_ptr(),
                               col_scale.data_ptr(), b)  # one thread, as quantize_rows
     return acc.view(torch.float32)
+
+
+def bpe_dropout(sym: Tensor, off: Tensor, keys: Tensor, merged: Tensor, score: Tensor,
+                v: int, seed: int, threshold: int) -> tuple[Tensor, Tensor] | None:
+    """BPE-dropout's merges of every word (csrc/bpe_dropout.c): word w starts as
+    sym[off[w]:off[w+1]] (int32, int64); returns (pieces, count): word w's pieces are
+    pieces[off[w]:off[w] + count[w]]. None without the library (the caller then runs
+    data._bpe_dropout_words, the same algorithm in Python)."""
+    lib = library()
+    if lib is None:
+        return None
+    n_words = off.numel() - 1
+    out = torch.empty_like(sym)
+    count = torch.empty(n_words, dtype=torch.int64)
+    lib.aiayn_bpe_dropout(sym.data_ptr(), off.data_ptr(), 0, n_words, keys.data_ptr(),
+                          merged.data_ptr(), score.data_ptr(), keys.numel(), v,
+                          seed % 2**64, threshold, out.data_ptr(), count.data_ptr())
+    return out, count

@@ -190,5 +190,29 @@ class Tokenizer:
     def id_to_piece(self, i: int) -> str:
         return str(self._sp.id_to_piece(i))
 
+    def pieces(self) -> dict[str, int]:
+        """Every ordinary piece (not a special, unused or byte piece) and its id."""
+        sp = self._sp
+        return {str(sp.id_to_piece(i)): i for i in range(self.vocab_size)
+                if not (sp.is_control(i) or sp.is_unknown(i) or sp.is_unused(i)
+                        or sp.is_byte(i))}
+
+    def bpe_merges(self) -> dict[tuple[int, int], tuple[int, float]]:
+        """(a, b) -> (c, score of c) for every two pieces whose concatenation is a piece c.
+
+        Sentencepiece's BPE encoder starts from characters and merges such pairs, the one
+        with the best-scored c first (the leftmost on a tie), until none is left: with this
+        table and :meth:`pieces`, data.BPEDropout redoes that, dropping merges at random.
+        """
+        pieces = self.pieces()
+        table: dict[tuple[int, int], tuple[int, float]] = {}
+        for piece, c in pieces.items():
+            score = float(self._sp.get_score(c))
+            for k in range(1, len(piece)):
+                a, b = pieces.get(piece[:k]), pieces.get(piece[k:])
+                if a is not None and b is not None:
+                    table[(a, b)] = (c, score)
+        return table
+
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size}, sha256={self.sha256[:12]})"

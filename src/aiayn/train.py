@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from aiayn import checkpoint as ckpt_lib
 from aiayn.batching import Batch, Prefetch, collate, token_batches
 from aiayn.config import Config, TrainConfig
-from aiayn.data import Corpus, load_corpus, load_manifest
+from aiayn.data import BPEDropout, Corpus, load_corpus, load_manifest
 from aiayn.distributed import DistContext, init_from_env, shutdown
 from aiayn.faults import Faults
 from aiayn.files import sha256_file, write_text_atomic
@@ -47,7 +47,8 @@ RESUMABLE_CHANGES = {"max_steps", "max_minutes", "save_interval_steps", "save_in
                      "pack_padding", "cpu_kernels"}
 OPTIMIZER_KEYS = {"warmup_steps", "lr_scale", "beta1", "beta2", "adam_eps", "clip_norm", "eps_ls",
                   "dtype"}
-DATALOADER_KEYS = {"max_tokens", "update_freq", "seed", "max_len", "max_len_ratio"}
+DATALOADER_KEYS = {"max_tokens", "update_freq", "seed", "max_len", "max_len_ratio",
+                   "bpe_dropout"}
 MAX_CONSECUTIVE_NONFINITE = 5
 #: With max_minutes set, the pace of steps PACE_FROM_STEP..PACE_AT_STEP after the start (or
 #: resume) projects whether max_steps fits the budget. The first steps are skipped: on
@@ -310,6 +311,9 @@ class Trainer:
         self.cfg = replace(cfg, model=replace(cfg.model, vocab_size=self.tokenizer.vocab_size))
         self.cfg.validate()
         self.train_data = load_corpus(self.data_dir, "train")
+        t = self.cfg.train
+        self._bpe_dropout = (BPEDropout(self.train_data, self.tokenizer, t.bpe_dropout, t.max_len)
+                             if t.bpe_dropout > 0 else None)
         valid_path = self.data_dir / "valid.pt"
         self.valid_data = load_corpus(self.data_dir, "valid") if valid_path.exists() else None
         self.data_sha256 = sha256_file(self.data_dir / "train.pt")
@@ -419,10 +423,17 @@ class Trainer:
     def _batches(self) -> Generator[tuple[int, int, Batch], None, None]:
         epoch, start = self.state.epoch, self.state.batch_in_epoch
         while True:
-            for i, batch in _batches_from(self.train_data, self.cfg.train, epoch, start,
-                                          self.dist):
+            for i, batch in _batches_from(self._epoch_data(epoch), self.cfg.train, epoch,
+                                          start, self.dist):
                 yield epoch, i + 1, batch
             epoch, start = epoch + 1, 0
+
+    def _epoch_data(self, epoch: int) -> Corpus:
+        """The training pairs of `epoch`: the prepared ones, or a BPE-dropout draw that
+        depends on (seed, epoch) only, so that a resumed run sees the same epochs."""
+        if self._bpe_dropout is None:
+            return self.train_data
+        return self._bpe_dropout.epoch(self.cfg.train.seed * 1_000_003 + epoch)
 
     def checkpoint_dict(self) -> dict[str, Any]:
         tok = self.tokenizer.to_bytes()

@@ -1,0 +1,89 @@
+/* BPE-dropout (Provilkov et al., 2020) for training on small corpora (see data.BPEDropout).
+ *
+ * Each word starts as its characters (a word whose prepared segmentation cannot be
+ * rebuilt from characters, e.g. one holding <unk>, starts as its prepared pieces, a fixed
+ * point of the merges) and is merged as sentencepiece's BPE encoder does: repeatedly the
+ * adjacent pair whose concatenation is the best-scored piece, the leftmost on a tie. Under
+ * dropout the chosen pair is discarded with probability p instead of merged, and a
+ * discarded pair gets a new chance only when a merge changes one of its two symbols
+ * (sentencepiece's own sampling does the same). At p = 0 this is sentencepiece's
+ * deterministic segmentation.
+ *
+ * Draw j of word w is SplitMix64(SplitMix64(seed + w * golden) + j * golden) >> 11, a
+ * 53-bit integer; the pair is discarded when it is below `threshold` (p * 2^53). So a
+ * word's segmentation depends on (seed, w) only: not on the process, the thread or the
+ * other words. data._bpe_dropout_words is the same algorithm in Python (the fallback
+ * without a compiler; tests compare the two).
+ */
+#include <stdint.h>
+#include <string.h>
+
+#define BPE_GOLDEN 0x9E3779B97F4A7C15ull
+/* Longer words (in starting symbols) keep their starting symbols. */
+#define BPE_MAX_WORD 256
+
+static inline uint64_t bpe_splitmix64(uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+/* Index of `key` in the ascending `keys`, or -1. */
+static inline int64_t bpe_find(const int64_t *keys, int64_t n, int64_t key) {
+    int64_t lo = 0, hi = n;
+    while (lo < hi) {
+        int64_t mid = lo + (hi - lo) / 2;
+        if (keys[mid] < key) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo < n && keys[lo] == key ? lo : -1;
+}
+
+/* Words [w0, w1): word w's starting symbols are sym[off[w]:off[w+1]]; its pieces are
+ * written to out[off[w]:] (never more than it started with) and their number to count[w].
+ * The merges: pair (a, b) as key a * v + b, ascending, gives the piece merged[k] of
+ * score score[k]. */
+void aiayn_bpe_dropout(const int32_t *sym, const int64_t *off, int64_t w0, int64_t w1,
+                       const int64_t *keys, const int32_t *merged, const double *score,
+                       int64_t n_merges, int64_t v, uint64_t seed, uint64_t threshold,
+                       int32_t *out, int64_t *count) {
+    unsigned char dropped[BPE_MAX_WORD];
+    for (int64_t w = w0; w < w1; w++) {
+        int64_t n = off[w + 1] - off[w];
+        int32_t *s = out + off[w];
+        memcpy(s, sym + off[w], (size_t)n * sizeof(int32_t));
+        if (n > BPE_MAX_WORD) {
+            count[w] = n;
+            continue;
+        }
+        memset(dropped, 0, (size_t)n);
+        uint64_t stream = bpe_splitmix64(seed + (uint64_t)w * BPE_GOLDEN), j = 0;
+        for (;;) {
+            int64_t best = -1, best_k = -1;
+            double best_score = 0.0;
+            for (int64_t i = 0; i + 1 < n; i++) {
+                if (dropped[i]) continue;
+                int64_t k = bpe_find(keys, n_merges, (int64_t)s[i] * v + s[i + 1]);
+                if (k >= 0 && (best < 0 || score[k] > best_score)) {
+                    best = i, best_k = k, best_score = score[k];
+                }
+            }
+            if (best < 0) break;
+            if (threshold > 0) {
+                j++;
+                uint64_t u = bpe_splitmix64(stream + j * BPE_GOLDEN) >> 11;
+                if (u < threshold) {
+                    dropped[best] = 1;
+                    continue;
+                }
+            }
+            s[best] = merged[best_k];
+            memmove(s + best + 1, s + best + 2, (size_t)(n - best - 2) * sizeof(int32_t));
+            memmove(dropped + best + 1, dropped + best + 2, (size_t)(n - best - 2));
+            n--;
+            dropped[best] = 0;
+            if (best > 0) dropped[best - 1] = 0;
+        }
+        count[w] = n;
+    }
+}
