@@ -4,6 +4,7 @@
     python benchmarks/real_batches.py DATA --config configs/multi30k-en-de.toml --epochs 2
     python benchmarks/real_batches.py DATA --config configs/multi30k-en-de.toml --packed
     ONEDNN_PRIMITIVE_CACHE_CAPACITY=1024 python benchmarks/real_batches.py DATA ...
+    python benchmarks/real_batches.py DATA ... --bpe-dropout 0.1   # new shapes every epoch
 
 `aiayn bench train` times one batch shape over and over; a real epoch has many (the En->De
 recipe: 178 batch shapes, ~4,400 distinct matrix products), and on the CPU each new bf16
@@ -31,7 +32,7 @@ import torch
 import aiayn  # noqa: F401  # sets oneDNN's kernel cache before the first product
 from aiayn.batching import collate, token_batches
 from aiayn.config import get_preset, load_experiment
-from aiayn.data import load_corpus
+from aiayn.data import BPEDropout, load_corpus
 from aiayn.loss import generator_loss
 from aiayn.model import Transformer
 from aiayn.tokenizer import Tokenizer
@@ -49,12 +50,19 @@ def main() -> int:
                      help="the whole padded batches (train.pack_padding = false)")
     how.add_argument("--packed", action="store_true",
                      help="padding left out (train.pack_padding = true); default: the config's")
+    p.add_argument("--bpe-dropout", type=float, default=None,
+                   help="re-segment each epoch with this BPE-dropout p (default: the config's)")
     args = p.parse_args()
 
     cfg = load_experiment(args.config)[0] if args.config else get_preset("tiny")
     vocab = Tokenizer.load(f"{args.data}/spm.model").vocab_size
     cfg = replace(cfg, model=replace(cfg.model, vocab_size=vocab))
+    if args.bpe_dropout is not None:
+        cfg = replace(cfg, train=replace(cfg.train, bpe_dropout=args.bpe_dropout))
     corpus = load_corpus(args.data, "train")
+    t = cfg.train
+    resegment = (BPEDropout(corpus, Tokenizer.load(f"{args.data}/spm.model"), t.bpe_dropout,
+                            t.max_len) if t.bpe_dropout > 0 else None)
     torch.manual_seed(cfg.train.seed)
     model = Transformer(cfg.model).train()
     packed = args.packed or (cfg.train.pack_padding and not args.padded)
@@ -65,9 +73,12 @@ def main() -> int:
     print(f"{cfg.train.dtype}, max_tokens {cfg.train.max_tokens}, "
           f"{'packed' if packed else 'padded'} batches, cpu_kernels {cfg.train.cpu_kernels}, "
           f"oneDNN kernel cache "
-          f"{os.environ.get('ONEDNN_PRIMITIVE_CACHE_CAPACITY', 'default')}")
+          f"{os.environ.get('ONEDNN_PRIMITIVE_CACHE_CAPACITY', 'default')}, BPE-dropout "
+          f"{t.bpe_dropout}")
     seen: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
     for epoch in range(args.epochs):
+        if resegment is not None:  # the seed the trainer uses for this epoch
+            corpus = resegment.epoch(t.seed * 1_000_003 + epoch)
         order = token_batches(corpus.src_lens, corpus.tgt_lens, cfg.train.max_tokens,
                               seed=cfg.train.seed, epoch=epoch)
         batches = [collate(corpus, b) for b in order[:args.max_batches or None]]
