@@ -390,10 +390,6 @@ def _splitmix64(z: int) -> int:
     return z ^ (z >> 31)
 
 
-#: Words with more starting symbols keep them (BPE_MAX_WORD in csrc/bpe_dropout.c).
-_BPE_MAX_WORD = 256
-
-
 def _bpe_dropout_words(sym: torch.Tensor, off: torch.Tensor,
                        merges: dict[tuple[int, int], tuple[int, float]], seed: int,
                        threshold: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -404,27 +400,22 @@ def _bpe_dropout_words(sym: torch.Tensor, off: torch.Tensor,
     count = []
     for w in range(len(starts) - 1):
         s = flat[starts[w]:starts[w + 1]]
-        if len(s) <= _BPE_MAX_WORD:
-            dropped = [False] * len(s)
-            stream, j = _splitmix64(seed + w * _GOLDEN), 0
-            while True:
-                best, best_merge = -1, (0, 0.0)
-                for i in range(len(s) - 1):
-                    m = None if dropped[i] else merges.get((s[i], s[i + 1]))
-                    if m is not None and (best < 0 or m[1] > best_merge[1]):
-                        best, best_merge = i, m
-                if best < 0:
-                    break
+        stream, j = _splitmix64(seed + w * _GOLDEN), 0
+        while True:
+            best, best_merge = -1, (0, 0.0)
+            for i in range(len(s) - 1):
+                m = merges.get((s[i], s[i + 1]))
+                if m is None:
+                    continue
                 if threshold > 0:
                     j += 1
                     if _splitmix64(stream + j * _GOLDEN) >> 11 < threshold:
-                        dropped[best] = True
                         continue
-                s[best:best + 2] = [best_merge[0]]
-                del dropped[best + 1]
-                dropped[best] = False
-                if best > 0:
-                    dropped[best - 1] = False
+                if best < 0 or m[1] > best_merge[1]:
+                    best, best_merge = i, m
+            if best < 0:
+                break
+            s[best:best + 2] = [best_merge[0]]
         out[starts[w]:starts[w] + len(s)] = s
         count.append(len(s))
     return torch.tensor(out, dtype=torch.int32), torch.tensor(count, dtype=torch.int64)
@@ -432,7 +423,8 @@ def _bpe_dropout_words(sym: torch.Tensor, off: torch.Tensor,
 
 class BPEDropout:
     """Training pairs under BPE-dropout (Provilkov et al., 2020): every epoch a fresh
-    segmentation of each sentence, each BPE merge discarded with probability p.
+    segmentation of each sentence, each possible BPE merge left out of each merge step
+    with probability p (the paper's Algorithm 1; csrc/bpe_dropout.c).
 
     A departure from the paper (which segments once), for small corpora such as Multi30k:
     the same word seen under several segmentations teaches the model how its pieces

@@ -2,25 +2,25 @@
  *
  * Each word starts as its characters (a word whose prepared segmentation cannot be
  * rebuilt from characters, e.g. one holding <unk>, starts as its prepared pieces, a fixed
- * point of the merges) and is merged as sentencepiece's BPE encoder does: repeatedly the
- * adjacent pair whose concatenation is the best-scored piece, the leftmost on a tie. Under
- * dropout the chosen pair is discarded with probability p instead of merged, and a
- * discarded pair gets a new chance only when a merge changes one of its two symbols
- * (sentencepiece's own sampling does the same). At p = 0 this is sentencepiece's
- * deterministic segmentation.
+ * point of the merges) and is merged as in the paper's Algorithm 1: at every step each
+ * adjacent pair whose concatenation is a piece is removed from the candidates with
+ * probability p, the best-scored remaining one is merged (the leftmost on a tie, as
+ * sentencepiece's BPE encoder does), and the word is done when no candidate remains. A
+ * pair removed at one step is a candidate again at the next. At p = 0 this is
+ * sentencepiece's deterministic segmentation. (Sentencepiece's own sampling instead
+ * discards a popped pair until a merge changes one of its symbols: a stronger dropout,
+ * 1.40x the pieces at p = 0.1 on Multi30k against 1.13x here.)
  *
  * Draw j of word w is SplitMix64(SplitMix64(seed + w * golden) + j * golden) >> 11, a
- * 53-bit integer; the pair is discarded when it is below `threshold` (p * 2^53). So a
- * word's segmentation depends on (seed, w) only: not on the process, the thread or the
- * other words. data._bpe_dropout_words is the same algorithm in Python (the fallback
- * without a compiler; tests compare the two).
+ * 53-bit integer, one per candidate pair and step, left to right; the pair is removed when
+ * the draw is below `threshold` (p * 2^53). So a word's segmentation depends on (seed, w)
+ * only: not on the process, the thread or the other words. data._bpe_dropout_words is the
+ * same algorithm in Python (the fallback without a compiler; tests compare the two).
  */
 #include <stdint.h>
 #include <string.h>
 
 #define BPE_GOLDEN 0x9E3779B97F4A7C15ull
-/* Longer words (in starting symbols) keep their starting symbols. */
-#define BPE_MAX_WORD 256
 
 static inline uint64_t bpe_splitmix64(uint64_t z) {
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
@@ -47,42 +47,29 @@ void aiayn_bpe_dropout(const int32_t *sym, const int64_t *off, int64_t w0, int64
                        const int64_t *keys, const int32_t *merged, const double *score,
                        int64_t n_merges, int64_t v, uint64_t seed, uint64_t threshold,
                        int32_t *out, int64_t *count) {
-    unsigned char dropped[BPE_MAX_WORD];
     for (int64_t w = w0; w < w1; w++) {
         int64_t n = off[w + 1] - off[w];
         int32_t *s = out + off[w];
         memcpy(s, sym + off[w], (size_t)n * sizeof(int32_t));
-        if (n > BPE_MAX_WORD) {
-            count[w] = n;
-            continue;
-        }
-        memset(dropped, 0, (size_t)n);
         uint64_t stream = bpe_splitmix64(seed + (uint64_t)w * BPE_GOLDEN), j = 0;
         for (;;) {
             int64_t best = -1, best_k = -1;
             double best_score = 0.0;
             for (int64_t i = 0; i + 1 < n; i++) {
-                if (dropped[i]) continue;
                 int64_t k = bpe_find(keys, n_merges, (int64_t)s[i] * v + s[i + 1]);
-                if (k >= 0 && (best < 0 || score[k] > best_score)) {
+                if (k < 0) continue;
+                if (threshold > 0) {
+                    j++;
+                    if ((bpe_splitmix64(stream + j * BPE_GOLDEN) >> 11) < threshold) continue;
+                }
+                if (best < 0 || score[k] > best_score) {
                     best = i, best_k = k, best_score = score[k];
                 }
             }
             if (best < 0) break;
-            if (threshold > 0) {
-                j++;
-                uint64_t u = bpe_splitmix64(stream + j * BPE_GOLDEN) >> 11;
-                if (u < threshold) {
-                    dropped[best] = 1;
-                    continue;
-                }
-            }
             s[best] = merged[best_k];
             memmove(s + best + 1, s + best + 2, (size_t)(n - best - 2) * sizeof(int32_t));
-            memmove(dropped + best + 1, dropped + best + 2, (size_t)(n - best - 2));
             n--;
-            dropped[best] = 0;
-            if (best > 0) dropped[best - 1] = 0;
         }
         count[w] = n;
     }
