@@ -126,8 +126,8 @@ def test_each_epoch_is_a_resegmentation_of_the_same_pairs(small_data: Path) -> N
     assert one == _sides(e1_again, n)
     assert one != _sides(e2, n) and one != prep
     assert [tok.decode(x) for x in one] == [tok.decode(x) for x in prep]
-    # discarding merges can only make pieces shorter, so sequences longer
-    assert all(len(x) >= len(y) for x, y in zip(one, prep, strict=True))
+    # left-out merges make pieces shorter on the whole (not always: a merge left out at
+    # one step can let another, longer piece form)
     assert sum(map(len, one)) > sum(map(len, prep))
     # a side the draw makes longer than max_len keeps the pair's prepared segmentation
     cap = int(corpus.src_lens.max())
