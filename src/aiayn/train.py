@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import signal
 import time
 from collections.abc import Callable, Generator, Iterator
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from aiayn import ONEDNN_PRIMITIVE_CACHE_CAPACITY
 from aiayn import checkpoint as ckpt_lib
 from aiayn.batching import Batch, Prefetch, collate, token_batches
 from aiayn.config import Config, TrainConfig
@@ -721,6 +723,12 @@ class Trainer:
             warning = slow_bf16_warning(self.device)
             if warning:
                 log.warning(warning)
+            if (t.bpe_dropout > 0 and self.device.type == "cpu" and os.environ.get(
+                    "ONEDNN_PRIMITIVE_CACHE_CAPACITY") == str(ONEDNN_PRIMITIVE_CACHE_CAPACITY)):
+                log.warning("BPE-dropout brings new batch shapes every epoch, and aiayn's "
+                            "large oneDNN kernel cache (%d) then keeps growing (memory, "
+                            "slower steps): start with ONEDNN_PRIMITIVE_CACHE_CAPACITY=1024 "
+                            "(docs/performance.md)", ONEDNN_PRIMITIVE_CACHE_CAPACITY)
                 self._log({"step": self.state.step, "event": "slow_bf16", "message": warning})
         self.model.train()
         stream = self._batch_stream()
