@@ -182,3 +182,19 @@ def test_training_with_bpe_dropout_resumes_exactly(small_data: Path, tmp_path: P
     fixed = _losses(tmp_path / "fixed")
     assert fixed[1] != full[1]
     assert set(fixed) == set(full) == set(range(1, 31))
+
+
+def test_training_with_bpe_dropout_on_aiayns_kernel_cache_says_to_shrink_it(
+        small_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """New batch shapes every epoch grow aiayn's large oneDNN cache (docs/performance.md):
+    a bf16 CPU run says to start with 1,024, and one that did is not told again."""
+    import aiayn
+
+    advice = "ONEDNN_PRIMITIVE_CACHE_CAPACITY=1024"
+    for capacity, warned in ((aiayn.ONEDNN_PRIMITIVE_CACHE_CAPACITY, True), (1024, False)):
+        monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(capacity))
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            train(cfg(dtype="bf16", max_steps=2), small_data, tmp_path / str(capacity))
+        assert (advice in caplog.text) is warned

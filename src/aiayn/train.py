@@ -723,13 +723,13 @@ class Trainer:
             warning = slow_bf16_warning(self.device)
             if warning:
                 log.warning(warning)
+                self._log({"step": self.state.step, "event": "slow_bf16", "message": warning})
             if (t.bpe_dropout > 0 and self.device.type == "cpu" and os.environ.get(
                     "ONEDNN_PRIMITIVE_CACHE_CAPACITY") == str(ONEDNN_PRIMITIVE_CACHE_CAPACITY)):
                 log.warning("BPE-dropout brings new batch shapes every epoch, and aiayn's "
                             "large oneDNN kernel cache (%d) then keeps growing (memory, "
                             "slower steps): start with ONEDNN_PRIMITIVE_CACHE_CAPACITY=1024 "
                             "(docs/performance.md)", ONEDNN_PRIMITIVE_CACHE_CAPACITY)
-                self._log({"step": self.state.step, "event": "slow_bf16", "message": warning})
         self.model.train()
         stream = self._batch_stream()
         last_save = time.monotonic()
