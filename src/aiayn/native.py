@@ -36,9 +36,9 @@ Why the loss: `loss._smoothed_ce_rows` works through the (tokens, V) logits tabl
 row once into a buffer in cache and makes three passes there.
 
 Why BPE-dropout's segmentations: every epoch re-merges each of the 667,000 words of
-Multi30k's training pairs from their characters, a loop of small lookups: 0.5-0.9 s an
-epoch in C, ~11 s in Python (`data._bpe_dropout_words`, the fallback; measured with the
-first, sentencepiece-like variant on an AMD EPYC VM, the CPU shared with a training run).
+Multi30k's training pairs from their characters, a loop of small lookups: 0.54-0.64 s an
+epoch in C, 7.2 s in Python (`data._bpe_dropout_words`, the fallback; p = 0.1, an idle
+AMD EPYC VM).
 
 Built on first use with the system's C compiler (`$CC`, else `cc`) for this CPU
 (`-march=native`), cached under `$AIAYN_CACHE_DIR` (default `~/.cache/aiayn`) by a key of
