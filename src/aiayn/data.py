@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from aiayn import files
+from aiayn import files, native
 from aiayn.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from aiayn.files import InputError, read_lines, sha256_file
 from aiayn.tokenizer import Tokenizer
@@ -492,8 +492,6 @@ class BPEDropout:
 
     def _segment(self, seed: int, threshold: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Every sentence's new ids, concatenated, and their offsets."""
-        from aiayn import native
-
         done = native.bpe_dropout(self._sym, self._word_off, self._keys, self._merged,
                                   self._score, self._v, seed, threshold)
         if done is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -67,13 +68,16 @@ def matmul_peak(dtype: torch.dtype = torch.float32, n: int | None = None, repeat
 
     The median of `repeats` timed products after two warm-up ones; n defaults to
     `peak_size(device)`. dtype torch.int8: int8 x int8 -> int32 products by
-    `torch._int_mm`, as int8 decoding runs them (`translate.Int8Linear`), in operations/s.
+    `translate.int8_matmul`, the one int8 decoding runs (`translate.Int8Linear`), in
+    operations/s.
     """
     n = n or peak_size(device)
     if dtype == torch.int8:
+        from aiayn.translate import int8_matmul  # translate imports this module
+
         a = torch.randint(-127, 128, (n, n), dtype=dtype, device=device)
         b = torch.randint(-127, 128, (n, n), dtype=dtype, device=device)
-        product = torch._int_mm
+        product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = int8_matmul
     else:
         a = torch.randn(n, n, dtype=dtype, device=device)
         b = torch.randn(n, n, dtype=dtype, device=device)

@@ -95,7 +95,7 @@ _SIGNATURES: dict[str, list[Any]] = {
 _PLAIN_SIGNATURES: dict[str, list[Any]] = {
     "aiayn_quantize_rows": [_P, _I64, _I64, _I64, _I64, _P, _P],
     "aiayn_dequantize_rows": [_P, _I64, _I64, _I64, _P, _P, _P],
-    "aiayn_bpe_dropout": [_P, _P, _I64, _I64, _P, _P, _P, _I64, _I64, _U64, _U64, _P, _P],
+    "aiayn_bpe_dropout": [_P, _P, _I64, _P, _P, _P, _I64, _I64, _U64, _U64, _P, _P],
 }
 #: Sizes the attention kernels take at most (MAX_D, MAX_ROW, MAX_HEADS in the C code):
 #: d_k and d_v; h*d_k, h*d_v and (rows per sentence)*d_v; h and rows per sentence.
@@ -418,7 +418,7 @@ def bpe_dropout(sym: Tensor, off: Tensor, keys: Tensor, merged: Tensor, score: T
     n_words = off.numel() - 1
     out = torch.empty_like(sym)
     count = torch.empty(n_words, dtype=torch.int64)
-    lib.aiayn_bpe_dropout(sym.data_ptr(), off.data_ptr(), 0, n_words, keys.data_ptr(),
+    lib.aiayn_bpe_dropout(sym.data_ptr(), off.data_ptr(), n_words, keys.data_ptr(),
                           merged.data_ptr(), score.data_ptr(), keys.numel(), v,
                           seed % 2**64, threshold, out.data_ptr(), count.data_ptr())
     return out, count

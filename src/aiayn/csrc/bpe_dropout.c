@@ -39,15 +39,15 @@ static inline int64_t bpe_find(const int64_t *keys, int64_t n, int64_t key) {
     return lo < n && keys[lo] == key ? lo : -1;
 }
 
-/* Words [w0, w1): word w's starting symbols are sym[off[w]:off[w+1]]; its pieces are
+/* Every word: word w's starting symbols are sym[off[w]:off[w+1]]; its pieces are
  * written to out[off[w]:] (never more than it started with) and their number to count[w].
  * The merges: pair (a, b) as key a * v + b, ascending, gives the piece merged[k] of
  * score score[k]. */
-void aiayn_bpe_dropout(const int32_t *sym, const int64_t *off, int64_t w0, int64_t w1,
+void aiayn_bpe_dropout(const int32_t *sym, const int64_t *off, int64_t n_words,
                        const int64_t *keys, const int32_t *merged, const double *score,
                        int64_t n_merges, int64_t v, uint64_t seed, uint64_t threshold,
                        int32_t *out, int64_t *count) {
-    for (int64_t w = w0; w < w1; w++) {
+    for (int64_t w = 0; w < n_words; w++) {
         int64_t n = off[w + 1] - off[w];
         int32_t *s = out + off[w];
         memcpy(s, sym + off[w], (size_t)n * sizeof(int32_t));
