@@ -78,7 +78,8 @@ def test_bench_train_and_decode_report_the_protocol_fields():
 
 def test_int8_ceiling_is_measured_with_the_int8_product_and_training_refuses_int8(monkeypatch):
     """int8 decoding's peak_fraction is against the rate of the product it runs
-    (translate.int8_matmul: torch._int_mm, int8 x int8 -> int32), not float32's; int8 is not a training mode."""
+    (translate.int8_matmul: torch._int_mm, int8 x int8 -> int32), not float32's; int8 is
+    not a training mode."""
     from aiayn.flops import matmul_peak
     from aiayn.translate import _has_int_mm
 

@@ -444,3 +444,61 @@ def test_int8_row_kernels_are_the_definition() -> None:
     assert q[4, :4].tolist() == [127, 0, 2, -2] and not q[3].any() and s[3] == 0
     want = acc.double() * s.double()[:, None] * col.double() + bias.double()
     torch.testing.assert_close(y.double(), want, rtol=1e-6, atol=1e-6)
+
+
+# ------------------------------------------------------------------ int8 output layer
+@needs_cc
+@pytest.mark.parametrize("bias", [False, True])
+def test_lse_topk_int8_is_dequantize_then_lse_topk(bias: bool) -> None:
+    """The fused pass over an int8 layer's int32 products gives, bit for bit, what
+    dequantizing them to floats and then `lse_topk` give, on both threads' halves."""
+    g = torch.Generator().manual_seed(5)
+    acc = torch.randint(-40_000, 40_000, (100, 3_000), generator=g, dtype=torch.int32)
+    row_scale = torch.rand(100, generator=g) * 1e-3
+    col_scale = torch.rand(3_000, generator=g) * 1e-2
+    b = torch.randn(3_000, generator=g) if bias else None
+    fused = native.lse_topk_int8(acc, row_scale, col_scale, b, 4, (0, 2, 3))
+    logits = native.dequantize_rows(acc.clone(), row_scale, col_scale, b)
+    assert fused is not None and logits is not None
+    plain = native.lse_topk(logits, 4, (0, 2, 3))
+    assert plain is not None
+    assert torch.equal(fused[0], plain[0]) and torch.equal(fused[1], plain[1])
+    ref_val, _ = reference(logits, 4, (0, 2, 3))
+    torch.testing.assert_close(fused[0].double(), ref_val, atol=1e-5, rtol=0)
+
+
+@needs_cc
+def test_int8_beam_search_is_the_same_with_the_fused_output_layer(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """An int8 model's beam search takes the fused output layer (`Int8Linear.lse_topk`)
+    and returns what the plain path (the layer's float logits, then `lse_topk`) returns:
+    the same hypotheses, scores and log P, bit for bit."""
+    from aiayn.config import EOS_ID, PAD_ID, ModelConfig
+    from aiayn.model import Transformer
+    from aiayn.translate import Int8Linear, cast_for_inference
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(N=2, d_model=32, h=2, d_k=16, d_v=16, d_ff=64, vocab_size=300,
+                      P_drop=0.0)
+    model = cast_for_inference(Transformer(cfg).eval(), "int8")
+    assert isinstance(model.generator, Int8Linear)
+    g = torch.Generator().manual_seed(1)
+    src = torch.randint(4, 300, (6, 9), generator=g)
+    src[:, -1] = EOS_ID
+    src[0, 5:] = PAD_ID
+    src[0, 4] = EOS_ID
+    calls = 0
+    fused_head = Int8Linear.lse_topk
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        nonlocal calls
+        calls += 1
+        return fused_head(*args, **kwargs)
+
+    monkeypatch.setattr(Int8Linear, "lse_topk", counted)
+    fused = search.beam_search(model, src, beam=4, alpha=0.6, max_len_a=1.0, max_len_b=5,
+                               nbest=4, min_len=3)
+    assert calls > 0
+    monkeypatch.setattr(Int8Linear, "lse_topk", lambda *a, **kw: None)
+    plain = search.beam_search(model, src, beam=4, alpha=0.6, max_len_a=1.0, max_len_b=5,
+                               nbest=4, min_len=3)
+    assert fused == plain

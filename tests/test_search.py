@@ -444,3 +444,47 @@ def test_row_topk_equals_torch_topk(v: int, k: int, ties: bool) -> None:
     assert torch.equal(values, expected)
     assert torch.equal(x.gather(1, cols), values)
     assert all(len(set(row)) == k for row in cols.tolist())
+
+
+def test_min_len_holds_eos_back_and_scores_stay_the_models() -> None:
+    """min_len (fairseq's --min-len): no output ends before min_len tokens, though
+    without it some do; EOS stays in the normaliser, so each hypothesis's log P is still
+    the teacher-forced sum of the model's log-softmax scores; greedy equals a search over
+    the model with EOS's logit set to -inf for the first min_len steps."""
+    model = eos_ramp_model()
+    src = random_src(LENGTHS)
+    m = 10
+    caps = [max_output_len(n + 1, 1.0, 5) for n in LENGTHS]
+    free = beam_search(model, src, beam=4, alpha=0.6, max_len_a=1.0, max_len_b=5, nbest=4)
+    # the rule has work to do: without it some outputs end in EOS before m tokens
+    assert any(len(h.tokens) < min(m, cap) for sent, cap in zip(free, caps, strict=True)
+               for h in sent)
+    assert any(len(o) < min(m, cap) for o, cap in zip(greedy_search(model, src, 1.0, 5), caps,
+                                                      strict=True))
+    hyps = beam_search(model, src, beam=4, alpha=0.6, max_len_a=1.0, max_len_b=5, nbest=4,
+                       min_len=m)
+    with torch.no_grad():
+        memory, src_mask = model.encode(src)
+        for i, sent in enumerate(hyps):
+            for h in sent:
+                assert len(h.tokens) >= min(m, caps[i])
+                out = h.tokens + [EOS_ID] if len(h.tokens) < caps[i] else h.tokens
+                tgt_in = torch.tensor([[BOS_ID] + out[:-1]])
+                logits = model.decode(tgt_in, memory[i:i + 1], src_mask[i:i + 1])[0]
+                logits[:, EOS_ID] += 0.5 * torch.arange(len(out)) - 3.0
+                lp = logits.log_softmax(-1).gather(1, torch.tensor(out)[:, None]).sum()
+                assert h.log_prob == pytest.approx(float(lp), abs=1e-4)
+
+    class HeldBack(EosRamp):
+        def decode_step(self, tokens: Tensor, src_mask: Tensor, states: list) -> Tensor:
+            t = states[0].self_cache.length
+            logits = super().decode_step(tokens, src_mask, states)
+            if t < m:
+                logits[:, EOS_ID] = float("-inf")
+            return logits
+
+    held = HeldBack(model.cfg).eval()
+    held.load_state_dict(model.state_dict())
+    assert greedy_search(model, src, 1.0, 5, min_len=m) == greedy_search(held, src, 1.0, 5)
+    with pytest.raises(ValueError, match="min_len"):
+        beam_search(model, src, beam=2, alpha=0.6, max_len_a=1.0, max_len_b=5, min_len=-1)

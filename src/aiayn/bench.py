@@ -20,7 +20,7 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from aiayn import native
 from aiayn.config import BOS_ID, EOS_ID, PAD_ID, get_preset
@@ -156,25 +156,6 @@ def _timed(fn: Any, steps: int, warmup: int, device: torch.device) -> list[float
     return times
 
 
-class _NoEarlyEOS(nn.Module):
-    """Wraps a model so that EOS is never the next token: every output reaches the cap."""
-
-    def __init__(self, model: Transformer) -> None:
-        super().__init__()
-        self.model, self.cfg = model, model.cfg
-
-    def encode(self, src: Tensor) -> tuple[Tensor, Tensor]:
-        return self.model.encode(src)
-
-    def init_state(self, memory: Tensor, max_len: int) -> Any:
-        return self.model.init_state(memory, max_len)
-
-    def decode_step(self, tokens: Tensor, src_mask: Tensor, states: Any) -> Tensor:
-        logits = self.model.decode_step(tokens, src_mask, states)
-        logits[:, EOS_ID] = float("-inf")
-        return logits
-
-
 def bench_decode(preset: str = "base", dtype: str = "fp32", device: str = "cpu", *,
                  beam: int = 4, alpha: float = 0.6, out_len: int = 20, sentences: int = 500,
                  batch: int = 64, vocab: int = 10_000, peak: bool = False,
@@ -197,17 +178,17 @@ def bench_decode(preset: str = "base", dtype: str = "fp32", device: str = "cpu",
     p = matmul_peak(DTYPES[dtype], device=device) if peak else None
     model = random_model(preset, vocab).to(dev).eval()
     model = cast_for_inference(model, dtype)
-    wrapped = _NoEarlyEOS(model)
     src = random_batch(sentences, vocab, seed=3).to(dev)
 
     starts = range(0, sentences, batch)
 
     def one_batch(b: int) -> None:
         chunk = src[starts[b]:starts[b] + batch]
+        # min_len = the cap: every output is exactly out_len tokens long
         if beam == 1:
-            greedy_search(wrapped, chunk, 0.0, out_len)
+            greedy_search(model, chunk, 0.0, out_len, min_len=out_len)
         else:
-            beam_search(wrapped, chunk, beam, alpha, 0.0, out_len)
+            beam_search(model, chunk, beam, alpha, 0.0, out_len, min_len=out_len)
 
     def run() -> None:
         map_batches(one_batch, len(starts), workers)

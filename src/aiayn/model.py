@@ -755,11 +755,17 @@ class Transformer(nn.Module):
 
         Equals the last row of `decode` on the whole prefix (tested), at O(T) cost per step.
         """
+        return self.generator(self.decode_hidden(tokens, src_mask, states))
+
+    def decode_hidden(self, tokens: Tensor, src_mask: Tensor,
+                      states: list[LayerState]) -> Tensor:
+        """`decode_step` before the output layer: the decoder's last output (B, d_model),
+        for a search that applies `generator` its own way (`search.best_next_tokens`)."""
         offset = states[0].self_cache.length
         y = self.tgt_embed(tokens, offset=offset)
         for layer, state in zip(self.decoder, states, strict=True):
             y = layer(y, None, src_mask, state)  # type: ignore[arg-type]
-        return self.generator(y[:, -1])
+        return y[:, -1]
 
 
 def count_parameters(model: nn.Module) -> int:

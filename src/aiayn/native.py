@@ -95,6 +95,7 @@ _SIGNATURES: dict[str, list[Any]] = {
 _PLAIN_SIGNATURES: dict[str, list[Any]] = {
     "aiayn_quantize_rows": [_P, _I64, _I64, _I64, _I64, _P, _P],
     "aiayn_dequantize_rows": [_P, _I64, _I64, _I64, _P, _P, _P],
+    "aiayn_lse_topk_i32": [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _INT, _P, _INT, _P, _P, _P],
     "aiayn_bpe_dropout": [_P, _P, _I64, _P, _P, _P, _I64, _I64, _U64, _U64, _P, _P],
 }
 #: Sizes the attention kernels take at most (MAX_D, MAX_ROW, MAX_HEADS in the C code):
@@ -221,6 +222,39 @@ def lse_topk(logits: Tensor, k: int, exclude: tuple[int, ...]) -> tuple[Tensor, 
     def run(part: int, r0: int, r1: int) -> None:
         fn(logits.data_ptr(), r0, r1, v, logits.stride(0), k, excl.data_ptr(), len(excl),
            bufs[part].data_ptr(), val.data_ptr(), idx.data_ptr())
+
+    _in_two_parts(r, MIN_ROWS_PER_THREAD, run)
+    return val, idx
+
+
+def lse_topk_int8(acc: Tensor, row_scale: Tensor, col_scale: Tensor, bias: Tensor | None,
+                  k: int, exclude: tuple[int, ...]) -> tuple[Tensor, Tensor] | None:
+    """`lse_topk` of the logits of an int8 output layer (`translate.Int8Linear`), given
+    as its (R, V) int32 products: logits = acc * row_scale[:, None] * col_scale (+ bias),
+    scaled as each row is read, with `dequantize_rows`'s arithmetic, so the results are
+    those of `dequantize_rows` then `lse_topk`, without writing and reading back the float
+    table. None where `lse_topk` would be (fewer than k eligible columns, no library)."""
+    if acc.device.type != "cpu" or acc.dim() != 2 or acc.dtype != torch.int32:
+        return None
+    r, v = acc.shape
+    excl = _columns(exclude, v)
+    if v - len(excl) < k or k < 1 or acc.stride(1) != 1:
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    assert row_scale.dtype == col_scale.dtype == torch.float32
+    assert row_scale.is_contiguous() and col_scale.is_contiguous()
+    assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
+    b = None if bias is None else bias.data_ptr()
+    val = torch.empty(r, k, dtype=torch.float32)
+    idx = torch.empty(r, k, dtype=torch.int64)
+    bufs = torch.empty(2, v, dtype=torch.float32)
+
+    def run(part: int, r0: int, r1: int) -> None:
+        lib.aiayn_lse_topk_i32(acc.data_ptr(), r0, r1, v, acc.stride(0), row_scale.data_ptr(),
+                               col_scale.data_ptr(), b, k, excl.data_ptr(), len(excl),
+                               bufs[part].data_ptr(), val.data_ptr(), idx.data_ptr())
 
     _in_two_parts(r, MIN_ROWS_PER_THREAD, run)
     return val, idx

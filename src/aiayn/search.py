@@ -37,6 +37,7 @@ from torch import Tensor
 
 from aiayn import native
 from aiayn.config import BOS_ID, EOS_ID, PAD_ID
+from aiayn.model import Transformer
 
 #: Tokens that are never generated: padding and the start symbol.
 NEVER_GENERATED = (PAD_ID, BOS_ID)
@@ -88,7 +89,7 @@ def best_possible_score(live_log_prob: float, cap: int, alpha: float) -> float:
 
 
 def validate_search_options(beam: int, alpha: float, nbest: int, max_len_a: float,
-                            max_len_b: float) -> None:
+                            max_len_b: float, min_len: int = 0) -> None:
     """Raise ValueError naming the first invalid option (RELIABILITY F14), before any work."""
     if beam < 1:
         raise ValueError(f"beam must be >= 1, got {beam}")
@@ -100,6 +101,8 @@ def validate_search_options(beam: int, alpha: float, nbest: int, max_len_a: floa
         raise ValueError(f"max_len_a must be >= 0, got {max_len_a}")
     if not max_len_b >= 0:
         raise ValueError(f"max_len_b must be >= 0, got {max_len_b}")
+    if min_len < 0:
+        raise ValueError(f"min_len must be >= 0, got {min_len}")
 
 
 # ------------------------------------------------------------------------- steps
@@ -120,20 +123,27 @@ def output_caps(model: Any, src: Tensor, a: float, b: float) -> list[int]:
 
 
 def next_logits(model: IncrementalDecoder, last: Tensor, src_mask: Tensor,
-                states: Any) -> Tensor:
+                states: Any, exclude: tuple[int, ...] = NEVER_GENERATED) -> Tensor:
     """The model's next-token logits (R, V) in float32 (even if the model runs in bf16),
-    with -inf at the tokens that are never generated.
+    with -inf at the tokens that are not to be generated (`exclude`).
 
     Args:
         last: (R, 1) the newest token of each row. src_mask: (R, 1, 1, S).
     """
     logits = model.decode_step(last, src_mask, states).float()
-    logits[:, list(NEVER_GENERATED)] = float("-inf")
+    logits[:, list(exclude)] = float("-inf")
     return logits
 
 
+def excluded(step: int, min_len: int) -> tuple[int, ...]:
+    """The tokens not to be generated after `step` output tokens: PAD and BOS always, EOS
+    while the output is shorter than `min_len` (fairseq's --min-len)."""
+    return NEVER_GENERATED + (EOS_ID,) if step < min_len else NEVER_GENERATED
+
+
 def best_next_tokens(model: IncrementalDecoder, last: Tensor, src_mask: Tensor,
-                     states: Any, k: int) -> tuple[Tensor, Tensor]:
+                     states: Any, k: int, exclude: tuple[int, ...] = NEVER_GENERATED
+                     ) -> tuple[Tensor, Tensor]:
     """Each row's k most probable next tokens and their log-probabilities, in float32 even
     if the model runs in bf16: (R, k) log P, (R, k) token ids, best first. With fewer than
     k tokens in the vocabulary the missing candidates are empty: log P -inf.
@@ -141,17 +151,29 @@ def best_next_tokens(model: IncrementalDecoder, last: Tensor, src_mask: Tensor,
     log P(token) = logit - logsumexp(logits), and within a row the order of the logits is
     the order of the log-probabilities, so the k best are picked by logit and only they
     are normalised, instead of a log-softmax over the whole (R, V) table. The normaliser
-    covers every token, those never generated included: the model's distribution is not
+    covers every token, the `exclude`d ones included: the model's distribution is not
     renormalised. On the CPU the compiled `native.lse_topk` does this in one pass over each
-    row where it can be built; PyTorch ops otherwise.
+    row where it can be built; PyTorch ops otherwise. A `Transformer` whose output layer
+    has its own `lse_topk` (`translate.Int8Linear`) gives it the decoder's output instead
+    of calling it, so that int8 logits are scaled as they are read rather than written
+    out (not where a subclass overrides `decode_step`: its logits are what it says).
     """
-    logits = model.decode_step(last, src_mask, states)
-    fast = native.lse_topk(logits, k, NEVER_GENERATED)
+    head = getattr(getattr(model, "generator", None), "lse_topk", None)
+    if (head is not None and isinstance(model, Transformer)
+            and type(model).decode_step is Transformer.decode_step):  # not overridden
+        hidden = model.decode_hidden(last, src_mask, states)
+        fast = head(hidden, k, exclude)
+        if fast is not None:
+            return fast
+        logits = model.generator(hidden)
+    else:
+        logits = model.decode_step(last, src_mask, states)
+    fast = native.lse_topk(logits, k, exclude)
     if fast is not None:
         return fast
     logits = logits.float()
     lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-    logits[:, list(NEVER_GENERATED)] = float("-inf")
+    logits[:, list(exclude)] = float("-inf")
     top, token = row_topk(logits, min(k, logits.size(-1)))
     if top.size(1) < k:
         missing = (top.size(0), k - top.size(1))
@@ -206,16 +228,17 @@ def reorder_states(states: Any, index: Tensor, sentences: Tensor | None = None) 
 # ------------------------------------------------------------------------- greedy
 @torch.inference_mode()
 def greedy_search(model: IncrementalDecoder, src: Tensor, max_len_a: float,
-                  max_len_b: float) -> list[list[int]]:
+                  max_len_b: float, min_len: int = 0) -> list[list[int]]:
     """Pick the most probable token at each step until EOS or the length cap.
 
     Args:
         model: an `IncrementalDecoder` in eval mode. src: (B, S) source ids, PAD-padded,
             each ending in EOS.
+        min_len: no EOS before this many output tokens (the length cap still ends them).
     Returns:
         B lists of token ids, without BOS and EOS.
     """
-    validate_search_options(1, 0.0, 1, max_len_a, max_len_b)
+    validate_search_options(1, 0.0, 1, max_len_a, max_len_b, min_len)
     caps = output_caps(model, src, max_len_a, max_len_b)
     out: list[list[int]] = [[] for _ in caps]
     if not caps:
@@ -224,8 +247,9 @@ def greedy_search(model: IncrementalDecoder, src: Tensor, max_len_a: float,
     states = model.init_state(memory, max(caps))
     active = list(range(len(caps)))  # row -> sentence
     last = torch.full((len(caps), 1), BOS_ID, dtype=torch.long, device=src.device)
-    for _ in range(max(caps)):
-        best = next_logits(model, last, src_mask, states).argmax(dim=-1)  # (R,)
+    for step in range(max(caps)):
+        best = next_logits(model, last, src_mask, states,
+                           excluded(step, min_len)).argmax(dim=-1)  # (R,)
         keep = []
         for row, (sent, token) in enumerate(zip(active, best.tolist(), strict=True)):
             if token == EOS_ID:
@@ -265,7 +289,7 @@ def _init_beams(src_mask: Tensor) -> _Beams:
 
 
 def _expand(model: IncrementalDecoder, beams: _Beams, states: Any,
-            k: int) -> tuple[Tensor, Tensor, Tensor]:
+            k: int, min_len: int) -> tuple[Tensor, Tensor, Tensor]:
     """Score all s*V extensions of each sentence's s slots and keep its k best.
 
     Returns:
@@ -278,7 +302,8 @@ def _expand(model: IncrementalDecoder, beams: _Beams, states: Any,
     else:
         last = beams.tokens[:, -1:]
     # A sentence's k best of its s*V extensions are among each slot's own k best tokens.
-    log_p, token = best_next_tokens(model, last, beams.src_mask, states, k)  # (A*s, k)
+    exclude = excluded(beams.tokens.size(1), min_len)
+    log_p, token = best_next_tokens(model, last, beams.src_mask, states, k, exclude)  # (A*s, k)
     candidates = (beams.scores.view(-1, 1) + log_p).view(a, s * k)
     scores, flat = candidates.topk(k, dim=1)  # (A, k)
     origin = torch.div(flat, k, rounding_mode="floor")  # slot within the sentence
@@ -330,7 +355,8 @@ def _is_done(finished: list[Hypothesis], best_live: float, cap: int, k: int,
 
 @torch.inference_mode()
 def beam_search(model: IncrementalDecoder, src: Tensor, beam: int, alpha: float,
-                max_len_a: float, max_len_b: float, nbest: int = 1) -> list[list[Hypothesis]]:
+                max_len_a: float, max_len_b: float, nbest: int = 1,
+                min_len: int = 0) -> list[list[Hypothesis]]:
     """Batched beam search with GNMT length normalisation and early termination (6.1).
 
     Args:
@@ -339,10 +365,12 @@ def beam_search(model: IncrementalDecoder, src: Tensor, beam: int, alpha: float,
         beam: beam size k. alpha: length penalty exponent (0 = plain log-probability).
         max_len_a, max_len_b: each sentence's output cap floor(a * src_len + b).
         nbest: hypotheses returned per sentence, best first.
+        min_len: no EOS before this many output tokens (fairseq's --min-len; EOS stays in
+            the normaliser; the length cap still ends a hypothesis).
     Returns:
         B lists of `nbest` Hypothesis (fewer only if fewer were found), best score first.
     """
-    validate_search_options(beam, alpha, nbest, max_len_a, max_len_b)
+    validate_search_options(beam, alpha, nbest, max_len_a, max_len_b, min_len)
     caps = output_caps(model, src, max_len_a, max_len_b)
     finished: list[list[Hypothesis]] = [[] for _ in caps]
     if not caps:
@@ -354,7 +382,7 @@ def beam_search(model: IncrementalDecoder, src: Tensor, beam: int, alpha: float,
     states = model.init_state(memory, max(caps))
     beams = _init_beams(src_mask)
     while beams.sent:
-        scores, rows, new = _expand(model, beams, states, beam)
+        scores, rows, new = _expand(model, beams, states, beam, min_len)
         a = len(beams.sent)
         tokens = torch.cat([beams.tokens[rows.view(-1)], new.view(-1, 1)], dim=1)
         live = _set_aside(scores, tokens, new, caps, beams.sent, finished, alpha)
