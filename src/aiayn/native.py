@@ -10,7 +10,9 @@ a bf16 -> float32 copy of the table, `logsumexp` (a max pass, a subtract, exp, a
 `search.row_topk` (a block-max pass, a gather, two top-ks): five or more passes over a
 table of 10 MB (256 rows x 10,000 tokens), ~4.6 ms a step on one thread, a large part of
 a small model's search. The C code reads each row once into a buffer that stays in
-cache and does all of it there (~1.3 ms for that table; docs/performance.md).
+cache and does all of it there (~1.3 ms for that table; docs/performance.md). For an
+int8 output layer, `lse_topk_int8` takes the layer's int32 products and scales them as it
+reads them, so the float table is never written.
 
 Why the attention: a decoding step attends from one new query per row, and written with
 PyTorch ops that is a few batched products of thousands of (1 x d_k) x (d_k x t)
