@@ -344,3 +344,48 @@ def test_sigterm_reaches_every_ensemble_member_and_a_rerun_resumes_them(tmp_path
         assert len(logged) == len(set(logged))  # resumed, not restarted
         after = [s for s in logged if s > last]
         assert after[0] == last + 1 and after[-1] == max(stopped.values()) + 4
+
+
+def _recipe_arms():
+    import importlib.util
+
+    path = ROOT / "benchmarks" / "recipe_arms.py"
+    spec = importlib.util.spec_from_file_location("recipe_arms", path)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+def test_recipe_arms_parses_arms_and_refuses_bad_ones():
+    arms = _recipe_arms()
+    assert arms.parse_arm("recipe:") == ("recipe", [])
+    assert arms.parse_arm("ls:train.eps_ls=0.2, seed=2") == ("ls", ["train.eps_ls=0.2", "seed=2"])
+    for bad in ("no-colon", "a b:seed=2", "x:seed"):
+        with pytest.raises(Exception, match="arm"):
+            arms.parse_arm(bad)
+
+
+@pytest.mark.skipif(not MULTI30K.is_dir(), reason="needs ../shared/data/multi30k")
+def test_recipe_arms_runs_each_arm_and_tabulates_its_results(tmp_path, monkeypatch, capsys):
+    """benchmarks/recipe_arms.py: two arms of the recipe (on the small slice) in parallel
+    processes, each with its own overrides (seed 2 in one), a table of their scores, and
+    a rerun that finds both done and runs nothing."""
+    monkeypatch.setenv("AIAYN_NO_MALLOC_TUNING", "1")
+    arms = _recipe_arms()
+    out = tmp_path / "arms"
+    argv = [str(ROOT / "configs" / "multi30k-en-de.toml"), "--data", str(MULTI30K),
+            "--out", str(out), "--parallel", "2", "--arm", "one:", "--arm", "two:seed=2"]
+    for item in SMALL:
+        argv += ["--set", item]
+    assert arms.main(argv) == 0
+    rows = json.loads((out / "arms.json").read_text())
+    assert [r["arm"] for r in rows] == ["one", "two"]
+    for r in rows:
+        results = json.loads((out / r["arm"] / "results.json").read_text())
+        assert r["tok_bleu"] == results["scores"]["tok_bleu"] and r["steps"] == 12
+    assert json.loads((out / "two" / "results.json").read_text())["seed"] == 2
+    assert json.loads((out / "one" / "results.json").read_text())["seed"] == 1
+    printed = capsys.readouterr().out
+    assert "| one |" in printed and "| two | " in printed
+    assert arms.main(argv) == 0  # both done: nothing runs again
+    assert ": exit" not in capsys.readouterr().out
