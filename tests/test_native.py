@@ -444,6 +444,8 @@ def test_int8_row_kernels_are_the_definition() -> None:
     assert q[4, :4].tolist() == [127, 0, 2, -2] and not q[3].any() and s[3] == 0
     want = acc.double() * s.double()[:, None] * col.double() + bias.double()
     torch.testing.assert_close(y.double(), want, rtol=1e-6, atol=1e-6)
+    relu = native.dequantize_rows(acc.clone(), s, col, bias, relu=True)
+    assert relu is not None and torch.equal(relu, torch.relu(y))
 
 
 # ------------------------------------------------------------------ int8 output layer
@@ -470,8 +472,9 @@ def test_lse_topk_int8_is_dequantize_then_lse_topk(bias: bool) -> None:
 @needs_cc
 def test_int8_beam_search_is_the_same_with_the_fused_output_layer(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """An int8 model's beam search takes the fused output layer (`Int8Linear.lse_topk`)
-    and returns what the plain path (the layer's float logits, then `lse_topk`) returns:
-    the same hypotheses, scores and log P, bit for bit."""
+    and the FFN's ReLU inside its first layer's dequantizing (`Int8Linear.forward_relu`),
+    and returns what the plain path (the layer's float logits, then `lse_topk`; the ReLU
+    after the layer) returns: the same hypotheses, scores and log P, bit for bit."""
     from aiayn.config import EOS_ID, PAD_ID, ModelConfig
     from aiayn.model import Transformer
     from aiayn.translate import Int8Linear, cast_for_inference
@@ -486,19 +489,23 @@ def test_int8_beam_search_is_the_same_with_the_fused_output_layer(monkeypatch) -
     src[:, -1] = EOS_ID
     src[0, 5:] = PAD_ID
     src[0, 4] = EOS_ID
-    calls = 0
-    fused_head = Int8Linear.lse_topk
+    calls = {"lse_topk": 0, "forward_relu": 0}
 
-    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
-        nonlocal calls
-        calls += 1
-        return fused_head(*args, **kwargs)
+    def counted(name):  # type: ignore[no-untyped-def]
+        method = getattr(Int8Linear, name)
 
-    monkeypatch.setattr(Int8Linear, "lse_topk", counted)
+        def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
+            calls[name] += 1
+            return method(*args, **kwargs)
+        return wrapper
+
+    for name in calls:
+        monkeypatch.setattr(Int8Linear, name, counted(name))
     fused = search.beam_search(model, src, beam=4, alpha=0.6, max_len_a=1.0, max_len_b=5,
                                nbest=4, min_len=3)
-    assert calls > 0
+    assert calls["lse_topk"] > 0 and calls["forward_relu"] > 0
     monkeypatch.setattr(Int8Linear, "lse_topk", lambda *a, **kw: None)
+    monkeypatch.delattr(Int8Linear, "forward_relu")
     plain = search.beam_search(model, src, beam=4, alpha=0.6, max_len_a=1.0, max_len_b=5,
                                nbest=4, min_len=3)
     assert fused == plain

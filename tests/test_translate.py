@@ -425,6 +425,15 @@ def test_int8_linear_is_the_product_of_the_quantized_operands(bias: bool, monkey
     assert layer(torch.randn(0, 200)).shape == (0, 72)
     strided = x.transpose(0, 1)  # not contiguous: reshaped into a copy
     torch.testing.assert_close(layer(strided), outs["native"].transpose(0, 1))
+    # the FFN's first layer: ReLU in the dequantizing pass, the values of torch.relu after
+    # the layer, with the compiled library and without
+    for name, patch in cases.items():
+        if patch is not None:
+            monkeypatch.setattr(*patch)
+        fused = layer.forward_relu(x)
+        monkeypatch.undo()
+        assert torch.equal(fused, torch.relu(outs[name])), name
+        assert (fused == 0).any() and (fused > 0).any(), name
 
 
 def test_tune_alpha_keeps_the_alpha_whose_translations_match_the_references(

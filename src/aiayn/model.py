@@ -466,6 +466,8 @@ class PositionwiseFeedForward(nn.Module):
             bf16 = torch.bfloat16
             hidden = _LinearReLU.apply(x.to(bf16), self.w_1.weight.to(bf16),
                                        self.w_1.bias.to(bf16))
+        elif (fused := getattr(self.w_1, "forward_relu", None)) is not None:
+            hidden = fused(x)  # int8 decoding (translate.Int8Linear): ReLU while dequantizing
         else:
             hidden = torch.relu(self.w_1(x))
         return self.w_2(self.relu_dropout(hidden))

@@ -96,7 +96,7 @@ _SIGNATURES: dict[str, list[Any]] = {
 #: Functions of one type only (no _bf16 / _f32 pair).
 _PLAIN_SIGNATURES: dict[str, list[Any]] = {
     "aiayn_quantize_rows": [_P, _I64, _I64, _I64, _I64, _P, _P],
-    "aiayn_dequantize_rows": [_P, _I64, _I64, _I64, _P, _P, _P],
+    "aiayn_dequantize_rows": [_P, _I64, _I64, _I64, _P, _P, _P, _INT],
     "aiayn_lse_topk_i32": [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _INT, _P, _INT, _P, _P, _P],
     "aiayn_bpe_dropout": [_P, _P, _I64, _P, _P, _P, _I64, _I64, _U64, _U64, _P, _P],
 }
@@ -424,10 +424,11 @@ def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor] | None:
     return q, scale
 
 
-def dequantize_rows(acc: Tensor, row_scale: Tensor, col_scale: Tensor, bias: Tensor | None
-                    ) -> Tensor | None:
+def dequantize_rows(acc: Tensor, row_scale: Tensor, col_scale: Tensor, bias: Tensor | None,
+                    relu: bool = False) -> Tensor | None:
     """The (R, N) int32 products `acc` as float32, in place (the result shares acc's
-    memory): acc * row_scale[:, None] * col_scale (+ bias). None without the library."""
+    memory): acc * row_scale[:, None] * col_scale (+ bias), then max(0, .) with `relu`.
+    None without the library."""
     lib = library()
     if lib is None:
         return None
@@ -438,7 +439,7 @@ def dequantize_rows(acc: Tensor, row_scale: Tensor, col_scale: Tensor, bias: Ten
     b = None if bias is None else bias.data_ptr()
 
     lib.aiayn_dequantize_rows(acc.data_ptr(), 0, r, n, row_scale.data_ptr(),
-                              col_scale.data_ptr(), b)  # one thread, as quantize_rows
+                              col_scale.data_ptr(), b, int(relu))  # one thread, as quantize_rows
     return acc.view(torch.float32)
 
 

@@ -156,17 +156,27 @@ class Int8Linear(nn.Module):
         self.register_buffer("bias", bias)
 
     def forward(self, x: Tensor) -> Tensor:
+        return self._forward(x, relu=False)
+
+    def forward_relu(self, x: Tensor) -> Tensor:
+        """max(0, forward(x)), the ReLU applied in the dequantizing pass (the FFN's first
+        layer, `model.PositionwiseFeedForward`): the same values as torch.relu after it."""
+        return self._forward(x, relu=True)
+
+    def _forward(self, x: Tensor, relu: bool) -> Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if x2.stride(-1) != 1 or x2.dtype != torch.float32:
             x2 = x2.float().contiguous()
         x_int8, x_scale = native.quantize_rows(x2) or quantize_per_row(x2)
         acc = int8_matmul(x_int8, self.weight_int8)
-        y = native.dequantize_rows(acc, x_scale, self.weight_scale, self.bias)
+        y = native.dequantize_rows(acc, x_scale, self.weight_scale, self.bias, relu)
         if y is None:
             y = acc.float().mul_(x_scale[:, None]).mul_(self.weight_scale)
             if self.bias is not None:
                 y.add_(self.bias)
+            if relu:
+                y.relu_()
         return y.view(*lead, self.out_features)
 
     def lse_topk(self, x: Tensor, k: int, exclude: tuple[int, ...]

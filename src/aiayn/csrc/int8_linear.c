@@ -32,9 +32,12 @@ void aiayn_quantize_rows(const float *x, int64_t ld, int64_t r0, int64_t r1, int
 }
 
 /* Rows [r0, r1) of the (rows, n) int32 products, in place to float32:
- * y = acc * row_scale[r] * col_scale[j] (+ bias[j] where bias is not NULL). */
+ * y = acc * row_scale[r] * col_scale[j] (+ bias[j] where bias is not NULL), then
+ * max(0, y) where relu is not 0 (the FFN's first layer: no pass of its own over the
+ * largest activation of a decoding step). */
 void aiayn_dequantize_rows(void *acc, int64_t r0, int64_t r1, int64_t n,
-                           const float *row_scale, const float *col_scale, const float *bias) {
+                           const float *row_scale, const float *col_scale, const float *bias,
+                           int relu) {
     for (int64_t r = r0; r < r1; r++) {
         const int32_t *in = (const int32_t *)acc + r * n;
         float *out = (float *)acc + r * n;
@@ -47,6 +50,11 @@ void aiayn_dequantize_rows(void *acc, int64_t r0, int64_t r1, int64_t n,
 #pragma omp simd
             for (int64_t j = 0; j < n; j++)
                 out[j] = (float)in[j] * s * col_scale[j];
+        }
+        if (relu) {
+#pragma omp simd
+            for (int64_t j = 0; j < n; j++)
+                out[j] = out[j] > 0.0f ? out[j] : 0.0f;
         }
     }
 }
