@@ -54,7 +54,7 @@ void aiayn_dequantize_rows(void *acc, int64_t r0, int64_t r1, int64_t n,
         if (relu) {
 #pragma omp simd
             for (int64_t j = 0; j < n; j++)
-                out[j] = out[j] > 0.0f ? out[j] : 0.0f;
+                out[j] = out[j] < 0.0f ? 0.0f : out[j];  /* a NaN stays NaN, as torch.relu */
         }
     }
 }
