@@ -209,24 +209,14 @@ def lse_topk(logits: Tensor, k: int, exclude: tuple[int, ...]) -> tuple[Tensor, 
     if (logits.device.type != "cpu" or logits.dim() != 2
             or logits.dtype not in (torch.bfloat16, torch.float32) or logits.stride(1) != 1):
         return None
-    r, v = logits.shape
-    excl = _columns(exclude, v)
-    if v - len(excl) < k or k < 1:
-        return None
-    lib = library()
-    if lib is None:
-        return None
-    fn = getattr(lib, f"aiayn_lse_topk_{_suffix(logits.dtype)}")
-    val = torch.empty(r, k, dtype=torch.float32)
-    idx = torch.empty(r, k, dtype=torch.int64)
-    bufs = torch.empty(2, v, dtype=torch.float32)
+    fn_name = f"aiayn_lse_topk_{_suffix(logits.dtype)}"
 
-    def run(part: int, r0: int, r1: int) -> None:
+    def call(fn: Any, r0: int, r1: int, v: int, k: int, excl: Tensor, buf: Tensor,
+             val: Tensor, idx: Tensor) -> None:
         fn(logits.data_ptr(), r0, r1, v, logits.stride(0), k, excl.data_ptr(), len(excl),
-           bufs[part].data_ptr(), val.data_ptr(), idx.data_ptr())
+           buf.data_ptr(), val.data_ptr(), idx.data_ptr())
 
-    _in_two_parts(r, MIN_ROWS_PER_THREAD, run)
-    return val, idx
+    return _lse_topk_rows(fn_name, logits.shape, k, exclude, call)
 
 
 def lse_topk_int8(acc: Tensor, row_scale: Tensor, col_scale: Tensor, bias: Tensor | None,
@@ -236,27 +226,42 @@ def lse_topk_int8(acc: Tensor, row_scale: Tensor, col_scale: Tensor, bias: Tenso
     scaled as each row is read, with `dequantize_rows`'s arithmetic, so the results are
     those of `dequantize_rows` then `lse_topk`, without writing and reading back the float
     table. None where `lse_topk` would be (fewer than k eligible columns, no library)."""
-    if acc.device.type != "cpu" or acc.dim() != 2 or acc.dtype != torch.int32:
-        return None
-    r, v = acc.shape
-    excl = _columns(exclude, v)
-    if v - len(excl) < k or k < 1 or acc.stride(1) != 1:
-        return None
-    lib = library()
-    if lib is None:
+    if (acc.device.type != "cpu" or acc.dim() != 2 or acc.dtype != torch.int32
+            or acc.stride(1) != 1):
         return None
     assert row_scale.dtype == col_scale.dtype == torch.float32
     assert row_scale.is_contiguous() and col_scale.is_contiguous()
     assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
     b = None if bias is None else bias.data_ptr()
+
+    def call(fn: Any, r0: int, r1: int, v: int, k: int, excl: Tensor, buf: Tensor,
+             val: Tensor, idx: Tensor) -> None:
+        fn(acc.data_ptr(), r0, r1, v, acc.stride(0), row_scale.data_ptr(),
+           col_scale.data_ptr(), b, k, excl.data_ptr(), len(excl), buf.data_ptr(),
+           val.data_ptr(), idx.data_ptr())
+
+    return _lse_topk_rows("aiayn_lse_topk_i32", acc.shape, k, exclude, call)
+
+
+def _lse_topk_rows(fn_name: str, shape: torch.Size, k: int, exclude: tuple[int, ...],
+                   call: Callable[..., None]) -> tuple[Tensor, Tensor] | None:
+    """What `lse_topk` and `lse_topk_int8` share: the eligibility checks, the outputs and
+    one scratch row per thread, the rows split over two threads; `call(fn, r0, r1, v, k,
+    excl, buf, val, idx)` runs the C function `fn_name` on rows [r0, r1)."""
+    r, v = shape
+    excl = _columns(exclude, v)
+    if v - len(excl) < k or k < 1:
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    fn = getattr(lib, fn_name)
     val = torch.empty(r, k, dtype=torch.float32)
     idx = torch.empty(r, k, dtype=torch.int64)
     bufs = torch.empty(2, v, dtype=torch.float32)
 
     def run(part: int, r0: int, r1: int) -> None:
-        lib.aiayn_lse_topk_i32(acc.data_ptr(), r0, r1, v, acc.stride(0), row_scale.data_ptr(),
-                               col_scale.data_ptr(), b, k, excl.data_ptr(), len(excl),
-                               bufs[part].data_ptr(), val.data_ptr(), idx.data_ptr())
+        call(fn, r0, r1, v, k, excl, bufs[part], val, idx)
 
     _in_two_parts(r, MIN_ROWS_PER_THREAD, run)
     return val, idx

@@ -163,13 +163,18 @@ class Int8Linear(nn.Module):
         layer, `model.PositionwiseFeedForward`): the same values as torch.relu after it."""
         return self._forward(x, relu=True)
 
-    def _forward(self, x: Tensor, relu: bool) -> Tensor:
-        lead = x.shape[:-1]
+    def _products(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """The rows of x (..., in_features) quantized and multiplied: the (rows, out)
+        int32 products and each row's scale."""
         x2 = x.reshape(-1, self.in_features)
         if x2.stride(-1) != 1 or x2.dtype != torch.float32:
             x2 = x2.float().contiguous()
         x_int8, x_scale = native.quantize_rows(x2) or quantize_per_row(x2)
-        acc = int8_matmul(x_int8, self.weight_int8)
+        return int8_matmul(x_int8, self.weight_int8), x_scale
+
+    def _forward(self, x: Tensor, relu: bool) -> Tensor:
+        lead = x.shape[:-1]
+        acc, x_scale = self._products(x)
         y = native.dequantize_rows(acc, x_scale, self.weight_scale, self.bias, relu)
         if y is None:
             y = acc.float().mul_(x_scale[:, None]).mul_(self.weight_scale)
@@ -189,13 +194,8 @@ class Int8Linear(nn.Module):
         apply (no compiled library): the caller then calls the layer."""
         if native.library() is None or x.dim() != 2:
             return None
-        x2 = x if x.stride(-1) == 1 and x.dtype == torch.float32 else x.float().contiguous()
-        quantized = native.quantize_rows(x2)
-        if quantized is None:
-            return None
-        acc = int8_matmul(quantized[0], self.weight_int8)
-        return native.lse_topk_int8(acc, quantized[1], self.weight_scale, self.bias, k,
-                                    exclude)
+        acc, x_scale = self._products(x)
+        return native.lse_topk_int8(acc, x_scale, self.weight_scale, self.bias, k, exclude)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
