@@ -470,6 +470,92 @@ def test_lse_topk_int8_is_dequantize_then_lse_topk(bias: bool) -> None:
 
 
 @needs_cc
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_lse_topk_int8_in_blocks_of_columns(bias: bool, threads: int) -> None:
+    """Over blocks of columns (the last one partial, excluded columns in several blocks,
+    the row maximum in any block), the running maximum, sum and top-k give the one-pass
+    results: the same k logits and columns, the normaliser within float32 rounding, and
+    the float64 log-softmax's values."""
+    g = torch.Generator().manual_seed(7)
+    rows, v = 70, 1_000
+    acc = torch.randint(-40_000, 40_000, (rows, v), generator=g, dtype=torch.int32)
+    acc[3, 999] = 90_000  # the maximum in the last, partial block
+    acc[4, 0] = 90_000  # in the first
+    row_scale = torch.rand(rows, generator=g) * 1e-3
+    col_scale = torch.rand(v, generator=g) * 1e-2
+    b = torch.randn(v, generator=g) if bias else None
+    exclude = (0, 2, 130, 999)
+    whole = native.lse_topk_int8(acc, row_scale, col_scale, b, 5, exclude)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        calls = []
+
+        def products(c0: int, c1: int) -> torch.Tensor:
+            calls.append((c0, c1))
+            return acc[:, c0:c1].contiguous()
+
+        blocked = native.lse_topk_int8_blocked(products, rows, v, row_scale, col_scale, b,
+                                               5, exclude, block=128)
+    finally:
+        torch.set_num_threads(old)
+    assert whole is not None and blocked is not None
+    assert calls == [(c, min(c + 128, v)) for c in range(0, v, 128)]
+    assert torch.equal(blocked[1], whole[1])
+    torch.testing.assert_close(blocked[0], whole[0], rtol=0, atol=2e-6)
+    logits = acc.double() * row_scale.double()[:, None] * col_scale.double()
+    if b is not None:
+        logits = logits + b.double()
+    ref_val, ref_idx = reference(logits, 5, exclude)
+    assert torch.equal(blocked[1], ref_idx)
+    torch.testing.assert_close(blocked[0].double(), ref_val, atol=1e-5, rtol=0)
+    # one block for every column: the one-pass function's results, bit for bit
+    one = native.lse_topk_int8_blocked(lambda c0, c1: acc[:, c0:c1], rows, v, row_scale,
+                                       col_scale, b, 5, exclude, block=v)
+    assert one is not None
+    assert torch.equal(one[0], whole[0]) and torch.equal(one[1], whole[1])
+
+
+@needs_cc
+def test_int8_output_layer_in_blocks_in_a_beam_search(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """`Int8Linear.lse_topk` with blocks of 64 columns (a vocabulary of 300: five blocks)
+    finds the same hypotheses as with one block, scores within float32 rounding."""
+    from aiayn import translate
+    from aiayn.config import EOS_ID, ModelConfig
+    from aiayn.model import Transformer
+    from aiayn.translate import cast_for_inference
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(N=2, d_model=32, h=2, d_k=16, d_v=16, d_ff=64, vocab_size=300,
+                      P_drop=0.0)
+    model = cast_for_inference(Transformer(cfg).eval(), "int8")
+    g = torch.Generator().manual_seed(2)
+    src = torch.randint(4, 300, (6, 9), generator=g)
+    src[:, -1] = EOS_ID
+    calls = []
+    real = native.lse_topk_int8_blocked
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(args[-1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(native, "lse_topk_int8_blocked", spy)
+    one = search.beam_search(model, src, beam=4, alpha=0.6, max_len_a=1.0, max_len_b=5,
+                             nbest=4)
+    assert calls and set(calls) == {300}
+    monkeypatch.setattr(translate, "LSE_TOPK_BLOCK_BYTES", 1)
+    calls.clear()
+    blocks = search.beam_search(model, src, beam=4, alpha=0.6, max_len_a=1.0, max_len_b=5,
+                                nbest=4)
+    assert calls and set(calls) == {64}
+    for a, b in zip(one, blocks, strict=True):
+        assert [h.tokens for h in a] == [h.tokens for h in b]
+        for ha, hb in zip(a, b, strict=True):
+            assert ha.score == pytest.approx(hb.score, abs=1e-5)
+
+
+@needs_cc
 def test_int8_beam_search_is_the_same_with_the_fused_output_layer(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """An int8 model's beam search takes the fused output layer (`Int8Linear.lse_topk`)
     and the FFN's ReLU inside its first layer's dequantizing (`Int8Linear.forward_relu`),

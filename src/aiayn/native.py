@@ -97,7 +97,8 @@ _SIGNATURES: dict[str, list[Any]] = {
 _PLAIN_SIGNATURES: dict[str, list[Any]] = {
     "aiayn_quantize_rows": [_P, _I64, _I64, _I64, _I64, _P, _P],
     "aiayn_dequantize_rows": [_P, _I64, _I64, _I64, _P, _P, _P, _INT],
-    "aiayn_lse_topk_i32": [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _INT, _P, _INT, _P, _P, _P],
+    "aiayn_lse_topk_i32_block": [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _INT, _P, _INT,
+                                 _INT, _P, _P, _P, _P, _P],
     "aiayn_bpe_dropout": [_P, _P, _I64, _P, _P, _P, _I64, _I64, _U64, _U64, _P, _P],
 }
 #: Sizes the attention kernels take at most (MAX_D, MAX_ROW, MAX_HEADS in the C code):
@@ -224,30 +225,65 @@ def lse_topk_int8(acc: Tensor, row_scale: Tensor, col_scale: Tensor, bias: Tenso
     """`lse_topk` of the logits of an int8 output layer (`translate.Int8Linear`), given
     as its (R, V) int32 products: logits = acc * row_scale[:, None] * col_scale (+ bias),
     scaled as each row is read, with `dequantize_rows`'s arithmetic, so the results are
-    those of `dequantize_rows` then `lse_topk`, without writing and reading back the float
-    table. None where `lse_topk` would be (fewer than k eligible columns, no library)."""
+    those of `dequantize_rows` then `lse_topk`, bit for bit, without writing and reading
+    back the float table. None where `lse_topk` would be (fewer than k eligible columns,
+    no library)."""
     if (acc.device.type != "cpu" or acc.dim() != 2 or acc.dtype != torch.int32
             or acc.stride(1) != 1):
+        return None
+    return lse_topk_int8_blocked(lambda c0, c1: acc[:, c0:c1], acc.size(0), acc.size(1),
+                                 row_scale, col_scale, bias, k, exclude, block=acc.size(1))
+
+
+def lse_topk_int8_blocked(products: Callable[[int, int], Tensor], rows: int, v: int,
+                          row_scale: Tensor, col_scale: Tensor, bias: Tensor | None,
+                          k: int, exclude: tuple[int, ...], block: int
+                          ) -> tuple[Tensor, Tensor] | None:
+    """`lse_topk_int8` over the columns in blocks: `products(c0, c1)` gives the int32
+    products of columns [c0, c1), (rows, c1 - c0) with unit column stride, each consumed
+    (a running maximum, sum of exponentials and top-k per row) before the next is asked
+    for, so that a block of a few hundred KiB is read back from cache rather than the
+    whole table from memory. With one block (block >= v) the results are
+    `lse_topk_int8`'s; over several only the order of the sum of exponentials differs
+    (the normaliser may differ in its last bits; the k logits and columns do not)."""
+    excl = _columns(exclude, v)
+    if v - len(excl) < k or k < 1 or block < 1:
+        return None
+    lib = library()
+    if lib is None:
         return None
     assert row_scale.dtype == col_scale.dtype == torch.float32
     assert row_scale.is_contiguous() and col_scale.is_contiguous()
     assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
-    b = None if bias is None else bias.data_ptr()
+    fn = lib.aiayn_lse_topk_i32_block
+    val = torch.full((rows, k), float("-inf"), dtype=torch.float32)
+    idx = torch.zeros(rows, k, dtype=torch.int64)
+    m = torch.full((rows,), float("-inf"), dtype=torch.float32)
+    s = torch.zeros(rows, dtype=torch.float32)
+    bufs = torch.empty(2, min(block, v), dtype=torch.float32)
+    for c0 in range(0, v, block):
+        c1 = min(c0 + block, v)
+        acc = products(c0, c1)
+        if acc.shape != (rows, c1 - c0) or acc.dtype != torch.int32 or acc.stride(1) != 1:
+            raise ValueError(f"products({c0}, {c1}) gave {acc.dtype} {tuple(acc.shape)}")
+        b = None if bias is None else bias.data_ptr() + 4 * c0
 
-    def call(fn: Any, r0: int, r1: int, v: int, k: int, excl: Tensor, buf: Tensor,
-             val: Tensor, idx: Tensor) -> None:
-        fn(acc.data_ptr(), r0, r1, v, acc.stride(0), row_scale.data_ptr(),
-           col_scale.data_ptr(), b, k, excl.data_ptr(), len(excl), buf.data_ptr(),
-           val.data_ptr(), idx.data_ptr())
+        def run(part: int, r0: int, r1: int, acc: Tensor = acc, c0: int = c0, c1: int = c1,
+                b: int | None = b) -> None:
+            fn(acc.data_ptr(), r0, r1, c1 - c0, acc.stride(0), c0, row_scale.data_ptr(),
+               col_scale.data_ptr() + 4 * c0, b, k, excl.data_ptr(), len(excl),
+               int(c1 == v), bufs[part].data_ptr(), m.data_ptr(), s.data_ptr(),
+               val.data_ptr(), idx.data_ptr())
 
-    return _lse_topk_rows("aiayn_lse_topk_i32", acc.shape, k, exclude, call)
+        _in_two_parts(rows, MIN_ROWS_PER_THREAD, run)
+    return val, idx
 
 
 def _lse_topk_rows(fn_name: str, shape: torch.Size, k: int, exclude: tuple[int, ...],
                    call: Callable[..., None]) -> tuple[Tensor, Tensor] | None:
-    """What `lse_topk` and `lse_topk_int8` share: the eligibility checks, the outputs and
-    one scratch row per thread, the rows split over two threads; `call(fn, r0, r1, v, k,
-    excl, buf, val, idx)` runs the C function `fn_name` on rows [r0, r1)."""
+    """`lse_topk`'s eligibility checks, outputs and one scratch row per thread, the rows
+    split over two threads; `call(fn, r0, r1, v, k, excl, buf, val, idx)` runs the C
+    function `fn_name` on rows [r0, r1)."""
     r, v = shape
     excl = _columns(exclude, v)
     if v - len(excl) < k or k < 1:

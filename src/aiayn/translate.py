@@ -128,6 +128,12 @@ class PackedLinear(nn.Module):
                 f"bias={self.bias is not None}, packed=onednn")
 
 
+#: int32 products per block of `Int8Linear.lse_topk` (a block of columns for all the rows):
+#: about a core's L2 cache (for 256 rows x 10,000 columns on an AMD EPYC VM, 256 KiB-4 MiB
+#: measured, 1-2 MiB fastest: docs/performance.md).
+LSE_TOPK_BLOCK_BYTES = 1024 * 1024
+
+
 class Int8Linear(nn.Module):
     """An `nn.Linear` for CPU inference with int8 weights and int8 activations (dynamic
     quantization): y ~ s_x s_w (q_x q_W^T) + b.
@@ -163,13 +169,18 @@ class Int8Linear(nn.Module):
         layer, `model.PositionwiseFeedForward`): the same values as torch.relu after it."""
         return self._forward(x, relu=True)
 
-    def _products(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """The rows of x (..., in_features) quantized and multiplied: the (rows, out)
-        int32 products and each row's scale."""
+    def _quantized(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """The rows of x (..., in_features) quantized: (rows, in) int8 and each row's
+        scale."""
         x2 = x.reshape(-1, self.in_features)
         if x2.stride(-1) != 1 or x2.dtype != torch.float32:
             x2 = x2.float().contiguous()
-        x_int8, x_scale = native.quantize_rows(x2) or quantize_per_row(x2)
+        return native.quantize_rows(x2) or quantize_per_row(x2)
+
+    def _products(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """The rows of x (..., in_features) quantized and multiplied: the (rows, out)
+        int32 products and each row's scale."""
+        x_int8, x_scale = self._quantized(x)
         return int8_matmul(x_int8, self.weight_int8), x_scale
 
     def _forward(self, x: Tensor, relu: bool) -> Tensor:
@@ -188,14 +199,28 @@ class Int8Linear(nn.Module):
                  ) -> tuple[Tensor, Tensor] | None:
         """As the output layer of a beam search: `native.lse_topk` of this layer's outputs
         for the rows x (R, in_features), the logits scaled from the int32 products as they
-        are read (`native.lse_topk_int8`: the same results as the layer's float outputs
-        would give, without writing them out; for 256 x 10,000 on one thread ~0.35-0.48 ms
-        a step less than the layer then `native.lse_topk`). None where that does not
-        apply (no compiled library): the caller then calls the layer."""
+        are read, without writing them out (`native.lse_topk_int8_blocked`). The products
+        are made `LSE_TOPK_BLOCK_BYTES` of int32 at a time (a block of the vocabulary's
+        columns for all the rows) and consumed while in cache, instead of a (R, V) table
+        written to memory and read back. The k logits and columns are those of the
+        layer's float outputs; the normaliser may differ in its last bits (the sum of
+        exponentials runs block by block). None where that does not apply (no compiled
+        library): the caller then calls the layer."""
         if native.library() is None or x.dim() != 2:
             return None
-        acc, x_scale = self._products(x)
-        return native.lse_topk_int8(acc, x_scale, self.weight_scale, self.bias, k, exclude)
+        x_int8, x_scale = self._quantized(x)
+        rows, v = x_int8.size(0), self.out_features
+        block = min(v, max(64, LSE_TOPK_BLOCK_BYTES // (4 * max(rows, 1)) // 64 * 64))
+        w = self.weight_int8
+        # one buffer for every block: each is consumed before the next is made, and its
+        # pages stay in cache
+        flat = torch.empty(rows * block, dtype=torch.int32)
+
+        def products(c0: int, c1: int) -> Tensor:
+            return int8_matmul(x_int8, w[c0:c1], out=flat[:rows * (c1 - c0)].view(rows, -1))
+
+        return native.lse_topk_int8_blocked(products, rows, v, x_scale, self.weight_scale,
+                                            self.bias, k, exclude, block)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -211,13 +236,15 @@ def quantize_per_row(t: Tensor) -> tuple[Tensor, Tensor]:
     return torch.round(t * inv[:, None]).to(torch.int8), amax / 127.0
 
 
-def int8_matmul(a: Tensor, b: Tensor) -> Tensor:
-    """a @ b.T for int8 (M, K) and (N, K): (M, N) int32, exact. `torch._int_mm` where this
-    build has it for the CPU; else float32 products of the integers (exact while
-    K * 127 * 127 < 2^24, i.e. K <= 1,040, and within float32 rounding beyond)."""
+def int8_matmul(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
+    """a @ b.T for int8 (M, K) and (N, K): (M, N) int32, exact, into `out` (contiguous)
+    if given. `torch._int_mm` where this build has it for the CPU; else float32 products
+    of the integers (exact while K * 127 * 127 < 2^24, i.e. K <= 1,040, and within float32
+    rounding beyond)."""
     if _has_int_mm():
-        return torch._int_mm(a, b.t())
-    return torch.round(a.float() @ b.float().t()).to(torch.int32)
+        return torch._int_mm(a, b.t()) if out is None else torch._int_mm(a, b.t(), out=out)
+    y = torch.round(a.float() @ b.float().t()).to(torch.int32)
+    return y if out is None else out.copy_(y)
 
 
 @functools.cache

@@ -8,9 +8,13 @@
  *
  * For int8 decoding (translate.Int8Linear as the output layer) the rows arrive as the
  * int32 products of the quantized layer, with a scale per row and per column:
- * aiayn_lse_topk_i32 scales them into the buffer as it reads them, the same expression as
- * int8_linear.c's dequantize pass, so the results are those of dequantizing first, without
- * writing the float table and reading it back (10 MB a step for 256 rows x 10,000 tokens).
+ * aiayn_lse_topk_i32_block scales them into the buffer as it reads them, the same
+ * expression as int8_linear.c's dequantize pass, so the results are those of dequantizing
+ * first, without writing the float table and reading it back. It takes one block of
+ * columns at a time, with a running maximum, sum and top-k per row (the online softmax's
+ * rescaling), so that the caller can multiply a block of the layer's columns and consume
+ * it while it is still in cache, instead of writing the whole (R, V) int32 table to
+ * memory and reading it back (10 MB a step for 256 rows x 10,000 tokens).
  *
  * Built with -O3 -march=native -fopenmp-simd (the loops marked simd are vectorised, their
  * reductions reordered). Every row is computed on its own, in the same order whatever the
@@ -97,23 +101,76 @@ void aiayn_lse_topk_f32(const float *x, int64_t r0, int64_t r1, int64_t V, int64
     }
 }
 
-/* As above for int32 products acc (row stride ld) of an int8 layer: logit x_j =
- * acc_j * row_scale[r] * col_scale[j] (+ bias[j] where bias is not NULL), computed as
- * aiayn_dequantize_rows computes it. */
-void aiayn_lse_topk_i32(const int32_t *acc, int64_t r0, int64_t r1, int64_t V, int64_t ld,
-                        const float *row_scale, const float *col_scale, const float *bias,
-                        int k, const int64_t *excl, int n_excl, float *buf, float *val,
-                        int64_t *idx) {
+/* One block of columns [c0, c0 + n) of the int32 products for rows [r0, r1): acc (row
+ * stride ld) holds the block, col_scale and bias (or NULL) start at column c0. Per row r,
+ * m[r] is the running maximum logit, s[r] the sum of exp(x - m[r]) over the columns seen
+ * so far, val/idx (R, k) the k largest logits outside `excl` and their columns (raw
+ * logits: `last` subtracts the log-sum-exp from them after the final block). Start with
+ * m = -inf, s = 0, val = -inf, idx = 0. With one block for all the columns the arithmetic
+ * is that of the float rows' row() above after dequantizing (the same results, bit for
+ * bit); over several blocks only the order of the sum differs. Equal logits: the lowest
+ * column is kept, as there. */
+void aiayn_lse_topk_i32_block(const int32_t *acc, int64_t r0, int64_t r1, int64_t n,
+                              int64_t ld, int64_t c0, const float *row_scale,
+                              const float *col_scale, const float *bias, int k,
+                              const int64_t *excl, int n_excl, int last, float *buf,
+                              float *m, float *s, float *val, int64_t *idx) {
     for (int64_t r = r0; r < r1; r++) {
         const int32_t *in = acc + r * ld;
-        const float s = row_scale[r];
+        const float sc = row_scale[r];
+        float bm = -INFINITY;
         if (bias) {
-#pragma omp simd
-            for (int64_t j = 0; j < V; j++) buf[j] = (float)in[j] * s * col_scale[j] + bias[j];
+#pragma omp simd reduction(max : bm)
+            for (int64_t j = 0; j < n; j++) {
+                float x = (float)in[j] * sc * col_scale[j] + bias[j];
+                buf[j] = x;
+                bm = x > bm ? x : bm;
+            }
         } else {
-#pragma omp simd
-            for (int64_t j = 0; j < V; j++) buf[j] = (float)in[j] * s * col_scale[j];
+#pragma omp simd reduction(max : bm)
+            for (int64_t j = 0; j < n; j++) {
+                float x = (float)in[j] * sc * col_scale[j];
+                buf[j] = x;
+                bm = x > bm ? x : bm;
+            }
         }
-        row(buf, V, k, excl, n_excl, val + r * k, idx + r * k);
+        float mr = m[r], sr = s[r];
+        if (bm > mr) {
+            if (sr > 0.0f) sr *= exp_nonpositive(mr - bm);
+            mr = bm;
+        }
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < n; j++) sum += exp_nonpositive(buf[j] - mr);
+        sr += sum;
+        m[r] = mr;
+        s[r] = sr;
+
+        for (int e = 0; e < n_excl; e++)
+            if (excl[e] >= c0 && excl[e] < c0 + n) buf[excl[e] - c0] = -INFINITY;
+        float *v = val + r * k;
+        int64_t *ix = idx + r * k;
+        float thr = v[k - 1];
+        int64_t j = 0;
+        for (; j + CHUNK <= n; j += CHUNK) {
+            int any = 0;
+#pragma omp simd reduction(| : any)
+            for (int t = 0; t < CHUNK; t++) any |= buf[j + t] > thr;
+            if (!any) continue;
+            for (int t = 0; t < CHUNK; t++)
+                if (buf[j + t] > thr) {
+                    insert(buf[j + t], c0 + j + t, k, v, ix);
+                    thr = v[k - 1];
+                }
+        }
+        for (; j < n; j++)
+            if (buf[j] > thr) {
+                insert(buf[j], c0 + j, k, v, ix);
+                thr = v[k - 1];
+            }
+        if (last) {
+            float lse = mr + logf(sr);
+            for (int i = 0; i < k; i++) v[i] -= lse;
+        }
     }
 }
