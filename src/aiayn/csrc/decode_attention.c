@@ -121,7 +121,9 @@ static inline void softmax_rows(float *s, int64_t rows, int64_t n, float *inv) {
 #define LOAD float_id
 #define STORE float_id
 #define LOAD16 load16_f32
+#define T_IS_FLOAT 1
 #include "decode_attention_kernels.h"
+#undef T_IS_FLOAT
 #undef T
 #undef SUFFIX
 #undef LOAD
@@ -133,4 +135,6 @@ static inline void softmax_rows(float *s, int64_t rows, int64_t n, float *inv) {
 #define LOAD bf16_to_float
 #define STORE float_to_bf16
 #define LOAD16 load16_bf16
+#define T_IS_FLOAT 0
 #include "decode_attention_kernels.h"
+#undef T_IS_FLOAT

@@ -1,5 +1,6 @@
 /* The decoding attention kernels for one element type T (included by decode_attention.c
- * with T, SUFFIX, LOAD (T -> float) and STORE (float -> T) defined). */
+ * with T, SUFFIX, LOAD (T -> float), STORE (float -> T) and T_IS_FLOAT (1 when T is float:
+ * rows are then read in place instead of converted into a buffer) defined). */
 
 #define CAT_(a, b) a##_##b
 #define CAT(a, b) CAT_(a, b)
@@ -156,7 +157,7 @@ INLINE void NAME(memory)(const T *q, int64_t q_ld, const T *k, const T *v,
     /* Sentence by sentence and head by head, its g queries at once: each key and value
      * row is converted once for g products. s: (g, S) scores, then weights. */
     float qf[MAX_ROW], acc[MAX_ROW], inv[MAX_HEADS], row[MAX_D];
-#ifdef __AVX512F__
+#if defined(__AVX512F__) && !T_IS_FLOAT
     float kbuf[16 * 128];  /* 16 keys (or values) as floats: the AVX-512 paths take d <= 128 */
 #endif
     for (int64_t a = a0; a < a1; a++) {
@@ -174,8 +175,14 @@ INLINE void NAME(memory)(const T *q, int64_t q_ld, const T *k, const T *v,
                 for (int64_t i0 = 0; i0 < S; i0 += 16) {
                     int n = S - i0 < 16 ? (int)(S - i0) : 16;
                     const float *rows[16];
+#if T_IS_FLOAT
+                    /* float keys are read where they are: no copy */
+                    for (int i = 0; i < 16; i++)
+                        rows[i] = (const float *)kb + (i0 + (i < n ? i : 0)) * dk;
+#else
                     for (int i = 0; i < n; i++) NAME(load)(kbuf + i * dk, kb + (i0 + i) * dk, dk);
                     for (int i = 0; i < 16; i++) rows[i] = kbuf + (i < n ? i : 0) * dk;
+#endif
                     for (int64_t j = 0; j < g; j++) {
                         __m512 sc = _mm512_mul_ps(scores16_f32(qf + j * dk, rows, dk), vscale);
                         _mm512_mask_storeu_ps(s + j * S + i0, (__mmask16)((1u << n) - 1u), sc);
@@ -205,8 +212,13 @@ INLINE void NAME(memory)(const T *q, int64_t q_ld, const T *k, const T *v,
                 const int nv = dv / 16;
                 for (int64_t i0 = 0; i0 < S; i0 += 16) {
                     int n = S - i0 < 16 ? (int)(S - i0) : 16;
+#if T_IS_FLOAT
+                    const float *vals = (const float *)vb + i0 * dv;  /* read in place */
+#else
+                    const float *vals = kbuf;
                     for (int i = 0; i < n; i++)
                         if (msk[i0 + i]) NAME(load)(kbuf + i * dv, vb + (i0 + i) * dv, dv);
+#endif
                     for (int64_t j = 0; j < g; j++) {
                         const float *w = s + j * S + i0;
                         __m512 x[8];
@@ -218,7 +230,7 @@ INLINE void NAME(memory)(const T *q, int64_t q_ld, const T *k, const T *v,
                             for (int v = 0; v < 8; v++)
                                 if (v < nv)
                                     x[v] = _mm512_fmadd_ps(
-                                        wi, _mm512_loadu_ps(kbuf + i * dv + 16 * v), x[v]);
+                                        wi, _mm512_loadu_ps(vals + i * dv + 16 * v), x[v]);
                         }
                         for (int v = 0; v < 8; v++)
                             if (v < nv) _mm512_storeu_ps(acc + j * dv + 16 * v, x[v]);
