@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
+import weakref
 from concurrent.futures.process import BrokenProcessPool
 
 import pytest
@@ -76,3 +78,28 @@ def test_bad_worker_counts_are_refused_by_name() -> None:
     with pytest.raises(ValueError, match="CPU"):
         check_workers(2, "cuda")
     check_workers(1, "cuda")
+
+
+class _Cycle:
+    def __init__(self) -> None:
+        self.me = self
+
+
+def _frozen_count(i: int) -> int:
+    return gc.get_freeze_count()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_decoding_runs_with_the_objects_before_it_frozen(workers: int) -> None:
+    """While batches run, the objects made before are out of the collector's sight (in a
+    forked worker too: it inherits them), and a collection then does not visit them;
+    afterwards they are back, and unreachable cycles made before are collected again."""
+    assert gc.get_freeze_count() == 0
+    before = _Cycle()
+    ref = weakref.ref(before)
+    counts = map_batches(_frozen_count, 4, workers=workers)
+    assert all(c > 1000 for c in counts)  # the interpreter's and PyTorch's objects
+    assert gc.get_freeze_count() == 0
+    del before
+    gc.collect()
+    assert ref() is None  # the cycle, no longer held back

@@ -11,12 +11,17 @@ numbers and results cross between processes. A forked process may use only one O
 thread (GNU OpenMP, which PyTorch's CPU build uses, hangs in a forked child that starts
 more), so each worker runs exactly one. A worker that dies (killed, out of memory) fails
 the whole call with an error instead of hanging it.
+
+While batches are decoded, the objects that existed before (the model, PyTorch's own:
+~170,000) are frozen out of Python's garbage collector (`gc_frozen`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import multiprocessing as mp
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
 from typing import Any, TypeVar
 
@@ -47,6 +52,22 @@ def check_workers(workers: int, device: str | torch.device = "cpu") -> None:
         raise ValueError("workers > 1 needs the 'fork' start method (Linux, macOS)")
 
 
+@contextlib.contextmanager
+def gc_frozen() -> Iterator[None]:
+    """The objects that exist now out of the garbage collector's sight until the block ends
+    (`gc.freeze`). Decoding allocates enough short-lived objects to start collections, and
+    each full one traversed every object of the process: ~9 ms of a 330 ms batch (tiny
+    int8, beam 4, 64 sentences; 0.1 ms frozen). A forked worker inherits the frozen
+    objects, and no collection there touches their pages, so copy-on-write keeps them
+    shared (as Python's documentation of gc.freeze advises). Unfrozen at the end: nothing
+    stays out of the collector's reach for longer."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def map_batches(fn: Callable[[int], T], n: int, workers: int = 1,
                 done: Callable[[int, T], None] | None = None) -> list[T]:
     """[fn(0), ..., fn(n - 1)], by `workers` forked single-thread processes if > 1.
@@ -56,6 +77,12 @@ def map_batches(fn: Callable[[int], T], n: int, workers: int = 1,
     batches of uneven cost balance out.
     """
     check_workers(workers)
+    with gc_frozen():
+        return _map_batches(fn, n, workers, done)
+
+
+def _map_batches(fn: Callable[[int], T], n: int, workers: int,
+                 done: Callable[[int, T], None] | None) -> list[T]:
     if workers == 1 or n <= 1:
         results = []
         for i in range(n):
