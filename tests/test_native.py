@@ -549,6 +549,12 @@ def test_int8_output_layer_in_blocks_in_a_beam_search(monkeypatch) -> None:  # t
     blocks = search.beam_search(model, src, beam=4, alpha=0.6, max_len_a=1.0, max_len_b=5,
                                 nbest=4)
     assert calls and set(calls) == {64}
+    # and with float32 products of the integers where torch._int_mm is missing (exact for
+    # this width), written into the same reused buffer
+    monkeypatch.setattr(translate, "_has_int_mm", lambda: False)
+    no_int_mm = search.beam_search(model, src, beam=4, alpha=0.6, max_len_a=1.0,
+                                   max_len_b=5, nbest=4)
+    assert no_int_mm == blocks
     for a, b in zip(one, blocks, strict=True):
         assert [h.tokens for h in a] == [h.tokens for h in b]
         for ha, hb in zip(a, b, strict=True):

@@ -242,10 +242,11 @@ def lse_topk_int8_blocked(products: Callable[[int, int], Tensor], rows: int, v: 
     """`lse_topk_int8` over the columns in blocks: `products(c0, c1)` gives the int32
     products of columns [c0, c1), (rows, c1 - c0) with unit column stride, each consumed
     (a running maximum, sum of exponentials and top-k per row) before the next is asked
-    for, so that a block of a few hundred KiB is read back from cache rather than the
-    whole table from memory. With one block (block >= v) the results are
-    `lse_topk_int8`'s; over several only the order of the sum of exponentials differs
-    (the normaliser may differ in its last bits; the k logits and columns do not)."""
+    for, so that a block (about a core's L2 cache: `translate.LSE_TOPK_BLOCK_BYTES`) is
+    read back from cache rather than the whole table from memory. With one block (block
+    >= v) the results are `lse_topk_int8`'s; over several only the order of the sum of
+    exponentials differs (the normaliser may differ in its last bits; the k logits and
+    columns do not)."""
     excl = _columns(exclude, v)
     if v - len(excl) < k or k < 1 or block < 1:
         return None
