@@ -210,14 +210,24 @@ def lse_topk(logits: Tensor, k: int, exclude: tuple[int, ...]) -> tuple[Tensor, 
     if (logits.device.type != "cpu" or logits.dim() != 2
             or logits.dtype not in (torch.bfloat16, torch.float32) or logits.stride(1) != 1):
         return None
-    fn_name = f"aiayn_lse_topk_{_suffix(logits.dtype)}"
+    r, v = logits.shape
+    excl = _columns(exclude, v)
+    if v - len(excl) < k or k < 1:
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    fn = getattr(lib, f"aiayn_lse_topk_{_suffix(logits.dtype)}")
+    val = torch.empty(r, k, dtype=torch.float32)
+    idx = torch.empty(r, k, dtype=torch.int64)
+    bufs = torch.empty(2, v, dtype=torch.float32)  # one scratch row per thread
 
-    def call(fn: Any, r0: int, r1: int, v: int, k: int, excl: Tensor, buf: Tensor,
-             val: Tensor, idx: Tensor) -> None:
+    def run(part: int, r0: int, r1: int) -> None:
         fn(logits.data_ptr(), r0, r1, v, logits.stride(0), k, excl.data_ptr(), len(excl),
-           buf.data_ptr(), val.data_ptr(), idx.data_ptr())
+           bufs[part].data_ptr(), val.data_ptr(), idx.data_ptr())
 
-    return _lse_topk_rows(fn_name, logits.shape, k, exclude, call)
+    _in_two_parts(r, MIN_ROWS_PER_THREAD, run)
+    return val, idx
 
 
 def lse_topk_int8(acc: Tensor, row_scale: Tensor, col_scale: Tensor, bias: Tensor | None,
@@ -277,30 +287,6 @@ def lse_topk_int8_blocked(products: Callable[[int, int], Tensor], rows: int, v: 
                val.data_ptr(), idx.data_ptr())
 
         _in_two_parts(rows, MIN_ROWS_PER_THREAD, run)
-    return val, idx
-
-
-def _lse_topk_rows(fn_name: str, shape: torch.Size, k: int, exclude: tuple[int, ...],
-                   call: Callable[..., None]) -> tuple[Tensor, Tensor] | None:
-    """`lse_topk`'s eligibility checks, outputs and one scratch row per thread, the rows
-    split over two threads; `call(fn, r0, r1, v, k, excl, buf, val, idx)` runs the C
-    function `fn_name` on rows [r0, r1)."""
-    r, v = shape
-    excl = _columns(exclude, v)
-    if v - len(excl) < k or k < 1:
-        return None
-    lib = library()
-    if lib is None:
-        return None
-    fn = getattr(lib, fn_name)
-    val = torch.empty(r, k, dtype=torch.float32)
-    idx = torch.empty(r, k, dtype=torch.int64)
-    bufs = torch.empty(2, v, dtype=torch.float32)
-
-    def run(part: int, r0: int, r1: int) -> None:
-        call(fn, r0, r1, v, k, excl, bufs[part], val, idx)
-
-    _in_two_parts(r, MIN_ROWS_PER_THREAD, run)
     return val, idx
 
 

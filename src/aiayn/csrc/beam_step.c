@@ -40,6 +40,32 @@ static inline void insert(float v, int64_t col, int k, float *val, int64_t *idx)
     idx[p] = col;
 }
 
+/* Top-k of buf[0..n), whose column 0 is column c0 of the row, into the sorted val/idx
+ * (largest first, already holding the best so far): a chunk is scanned element by element
+ * only if one of its values beats the current k-th best, which after the first chunks is
+ * rare. Strictly greater: among equal values the lowest column is kept. */
+static void topk_scan(const float *buf, int64_t n, int64_t c0, int k, float *val,
+                      int64_t *idx) {
+    float thr = val[k - 1];
+    int64_t j = 0;
+    for (; j + CHUNK <= n; j += CHUNK) {
+        int any = 0;
+#pragma omp simd reduction(| : any)
+        for (int t = 0; t < CHUNK; t++) any |= buf[j + t] > thr;
+        if (!any) continue;
+        for (int t = 0; t < CHUNK; t++)
+            if (buf[j + t] > thr) {
+                insert(buf[j + t], c0 + j + t, k, val, idx);
+                thr = val[k - 1];
+            }
+    }
+    for (; j < n; j++)
+        if (buf[j] > thr) {
+            insert(buf[j], c0 + j, k, val, idx);
+            thr = val[k - 1];
+        }
+}
+
 static void row(float *buf, int64_t V, int k, const int64_t *excl, int n_excl,
                 float *val, int64_t *idx) {
     float m = -INFINITY;
@@ -55,27 +81,7 @@ static void row(float *buf, int64_t V, int k, const int64_t *excl, int n_excl,
         val[i] = -INFINITY;
         idx[i] = 0;
     }
-    /* Top-k: a chunk is scanned element by element only if one of its values beats the
-     * current k-th best, which after the first chunks is rare. Strictly greater: among
-     * equal values the lowest column is kept. */
-    float thr = -INFINITY;
-    int64_t j = 0;
-    for (; j + CHUNK <= V; j += CHUNK) {
-        int any = 0;
-#pragma omp simd reduction(| : any)
-        for (int t = 0; t < CHUNK; t++) any |= buf[j + t] > thr;
-        if (!any) continue;
-        for (int t = 0; t < CHUNK; t++)
-            if (buf[j + t] > thr) {
-                insert(buf[j + t], j + t, k, val, idx);
-                thr = val[k - 1];
-            }
-    }
-    for (; j < V; j++)
-        if (buf[j] > thr) {
-            insert(buf[j], j, k, val, idx);
-            thr = val[k - 1];
-        }
+    topk_scan(buf, V, 0, k, val, idx);
     for (int i = 0; i < k; i++) val[i] -= lse;
 }
 
@@ -149,25 +155,7 @@ void aiayn_lse_topk_i32_block(const int32_t *acc, int64_t r0, int64_t r1, int64_
         for (int e = 0; e < n_excl; e++)
             if (excl[e] >= c0 && excl[e] < c0 + n) buf[excl[e] - c0] = -INFINITY;
         float *v = val + r * k;
-        int64_t *ix = idx + r * k;
-        float thr = v[k - 1];
-        int64_t j = 0;
-        for (; j + CHUNK <= n; j += CHUNK) {
-            int any = 0;
-#pragma omp simd reduction(| : any)
-            for (int t = 0; t < CHUNK; t++) any |= buf[j + t] > thr;
-            if (!any) continue;
-            for (int t = 0; t < CHUNK; t++)
-                if (buf[j + t] > thr) {
-                    insert(buf[j + t], c0 + j + t, k, v, ix);
-                    thr = v[k - 1];
-                }
-        }
-        for (; j < n; j++)
-            if (buf[j] > thr) {
-                insert(buf[j], c0 + j, k, v, ix);
-                thr = v[k - 1];
-            }
+        topk_scan(buf, n, c0, k, v, idx + r * k);
         if (last) {
             float lse = mr + logf(sr);
             for (int i = 0; i < k; i++) v[i] -= lse;
