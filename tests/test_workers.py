@@ -103,3 +103,10 @@ def test_decoding_runs_with_the_objects_before_it_frozen(workers: int) -> None:
     del before
     gc.collect()
     assert ref() is None  # the cycle, no longer held back
+    # a caller's own freeze is left as it was
+    gc.freeze()
+    try:
+        map_batches(_frozen_count, 2, workers=workers)
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
