@@ -148,6 +148,33 @@ def test_training_on_cuda_matches_the_cpu_and_loads_back(small_data: Path, tmp_p
     assert next(model.parameters()).device.type == "cpu"
 
 
+@pytest.mark.rows("C7")
+def test_a_batch_too_big_for_the_gpu_fails_in_the_preflight(small_data: Path, tmp_path: Path):
+    """C7 with a real CUDA out-of-memory error: the GPU's allocator capped just above what
+    the model and its optimizer hold, the pre-flight's largest batch cannot fit, and the
+    run stops before step 1 with advice instead of failing later."""
+    from aiayn.checkpoint import list_checkpoints
+    from aiayn.train import Trainer, TrainingError
+
+    cfg = apply_overrides(get_preset("tiny"), {
+        "N": 2, "d_model": 512, "d_ff": 2048, "h": 8, "d_k": 64, "d_v": 64, "P_drop": 0.1,
+        "train.max_tokens": 4000, "max_steps": 2, "save_interval_steps": 1})
+    trainer = Trainer(cfg, small_data, tmp_path / "run", device="cuda")
+    torch.cuda.synchronize()
+    total = torch.cuda.get_device_properties(0).total_memory
+    try:
+        torch.cuda.set_per_process_memory_fraction(
+            (torch.cuda.memory_reserved() + 8 * 2**20) / total)
+        with pytest.raises(TrainingError, match=r"out of memory on cuda.*before training.*"
+                                                r"lower train.max_tokens \(now 4000\)"):
+            trainer.run()
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        trainer.close()
+        torch.cuda.empty_cache()
+    assert list_checkpoints(tmp_path / "run") == []
+
+
 def test_bench_runs_on_cuda():
     """`aiayn bench train|decode` on a GPU: tokens/s, and the peak fraction against the
     matrix-product ceiling measured on the same GPU."""

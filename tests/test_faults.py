@@ -209,3 +209,60 @@ def test_nan_weights_never_reach_a_checkpoint(small_data: Path, tmp_path: Path) 
         t.save()
     assert sha256_file(run / "checkpoint_2.pt") == digest
     assert load_checkpoint(run / "checkpoint_last.pt")["step"] == 2
+
+
+@pytest.mark.rows("C7")
+def test_largest_batches_are_the_largest_of_the_epoch(small_data: Path) -> None:
+    """C7's choice of batches, checked against the padded tensors `collate` builds for every
+    batch of the epoch: the most tokens, the most attention weights, the most logits."""
+    from aiayn.batching import collate, token_batches
+    from aiayn.data import load_corpus
+    from aiayn.train import largest_batches
+
+    corpus = load_corpus(small_data, "train")
+    order = token_batches(corpus.src_lens, corpus.tgt_lens, 200, seed=3, epoch=1)
+    shapes = [(b.src.size(0), b.src.size(1), b.tgt_in.size(1))
+              for b in (collate(corpus, idx) for idx in order)]
+    picked = largest_batches(corpus.src_lens, corpus.tgt_lens, order)
+    assert 1 <= len(picked) == len(set(picked)) <= 3
+    for measure in (lambda b, s, t: b * (s + t), lambda b, s, t: b * (s * s + t * t + s * t),
+                    lambda b, s, t: b * t):
+        best = max(measure(*x) for x in shapes)
+        assert any(measure(*shapes[p]) == best for p in picked)
+    assert len({s[1:] for s in shapes}) > 3  # the epoch has batches of many shapes
+
+
+@pytest.mark.rows("C7")
+def test_preflight_leaves_the_run_unchanged(small_data: Path, tmp_path: Path) -> None:
+    """C7: the pre-flight pass over the largest batches is logged and leaves no trace: the
+    same losses and weights, bit for bit, as a run without it."""
+    runs = {on: train(cfg(preflight=on), small_data, tmp_path / str(on)) for on in (True, False)}
+    assert [h["loss"] for h in runs[True].history] == [h["loss"] for h in runs[False].history]
+    assert_same(load_checkpoint(list_checkpoints(tmp_path / "True")[-1])["model"],
+                load_checkpoint(list_checkpoints(tmp_path / "False")[-1])["model"])
+    (ev,) = events(tmp_path / "True", "preflight")
+    assert ev["step"] == 0 and 1 <= len(ev["shapes"]) <= 3 and ev["peak_gib"] > 0
+    assert events(tmp_path / "False", "preflight") == []
+
+
+@pytest.mark.rows("C7")
+def test_out_of_memory_in_preflight_stops_before_step_1(small_data: Path, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch,
+        record_property: pytest.RecordProperty) -> None:
+    """C7: a batch too big for memory ends the run at minute 0 with advice, before any
+    update or checkpoint (here the loss's allocation fails, as on a full device)."""
+    import aiayn.train
+
+    record_property("faults", {"OOM in the pre-flight": 1})
+
+    def no_memory(*a: Any, **k: Any) -> Any:
+        raise torch.OutOfMemoryError("injected: not enough memory")
+
+    monkeypatch.setattr(aiayn.train, "generator_loss", no_memory)
+    run = tmp_path / "run"
+    with pytest.raises(TrainingError, match=r"out of memory on cpu before training, on the "
+                       r"largest batches of the epoch \(batch \d+ of epoch 0: \d+ sentences, "
+                       r"source \(\d+, \d+\).*lower train.max_tokens \(now 400\)"):
+        train(cfg(), small_data, run)
+    assert list_checkpoints(run) == []
+    assert not (run / "train_log.jsonl").exists() or not events(run, "preflight")

@@ -123,6 +123,10 @@ class TrainConfig:
     # 0 = off, the paper's objective.
     rdrop_alpha: float = 0.0
     patience: int = 0  # stop after this many validations without a better NLL; 0 = never
+    # Before step 1 (and after a resume), one forward and backward pass over the epoch's
+    # largest batches (RELIABILITY C7), so that a batch too big for the device's memory
+    # fails at minute 0 with advice, not hours in; no update, and the run is unchanged.
+    preflight: bool = True
     # Divergence guard (Marian --throw-on-divergence): the mean loss of the last
     # divergence_short steps above the mean of the divergence_window steps before them by
     # more than divergence_sigma standard deviations. "rollback" reloads the last checkpoint

@@ -13,7 +13,9 @@ import json
 import logging
 import math
 import os
+import resource
 import signal
+import sys
 import time
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
@@ -46,7 +48,7 @@ RESUMABLE_CHANGES = {"max_steps", "max_minutes", "save_interval_steps", "save_in
                      "patience", "divergence", "divergence_window", "divergence_short",
                      "divergence_sigma", "divergence_lr_factor", "max_rollbacks",
                      "keep_last", "valid_interval_steps", "log_interval_steps", "compile",
-                     "pack_padding", "cpu_kernels"}
+                     "pack_padding", "cpu_kernels", "preflight"}
 OPTIMIZER_KEYS = {"warmup_steps", "lr_scale", "beta1", "beta2", "adam_eps", "clip_norm", "eps_ls",
                   "dtype"}
 DATALOADER_KEYS = {"max_tokens", "update_freq", "seed", "max_len", "max_len_ratio",
@@ -188,12 +190,40 @@ def _seed_step(seed: int, step: int, rank: int = 0, world_size: int = 1) -> None
     torch.manual_seed(seed * 1_000_003 + step * world_size + rank)
 
 
+def _epoch_order(corpus: Corpus, cfg: TrainConfig, epoch: int,
+                 dist_ctx: DistContext) -> list[list[int]]:
+    return token_batches(corpus.src_lens, corpus.tgt_lens, cfg.max_tokens, seed=cfg.seed,
+                         epoch=epoch, rank=dist_ctx.rank, world_size=dist_ctx.world_size)
+
+
 def _batches_from(corpus: Corpus, cfg: TrainConfig, epoch: int, start: int,
                   dist_ctx: DistContext) -> Iterator[tuple[int, Batch]]:
-    order = token_batches(corpus.src_lens, corpus.tgt_lens, cfg.max_tokens, seed=cfg.seed,
-                          epoch=epoch, rank=dist_ctx.rank, world_size=dist_ctx.world_size)
+    order = _epoch_order(corpus, cfg, epoch, dist_ctx)
     for i in range(start, len(order)):
         yield i, collate(corpus, order[i])
+
+
+def largest_batches(src_lens: torch.Tensor, tgt_lens: torch.Tensor,
+                    order: list[list[int]]) -> list[int]:
+    """C7: the positions in `order` of the batches likely to need the most memory.
+
+    Which one that is depends on the model and the device, so three are taken, one per
+    growing term of a training step's memory: the most padded tokens (position-wise
+    activations), the largest B x (S^2 + T^2 + S*T) (attention weights) and the most
+    padded target tokens (the logits, B x T x vocabulary). Lengths as `collate` pads them:
+    source + EOS, target + BOS. Distinct positions, in that order.
+    """
+    s = (src_lens + 1).tolist()
+    t = (tgt_lens + 1).tolist()
+    shapes = [(len(b), max(s[i] for i in b), max(t[i] for i in b)) for b in order]
+    measures = (lambda b, S, T: b * (S + T), lambda b, S, T: b * (S * S + T * T + S * T),
+                lambda b, S, T: b * T)
+    picked: list[int] = []
+    for measure in measures:
+        pos = max(range(len(shapes)), key=lambda i: (measure(*shapes[i]), -i), default=None)
+        if pos is not None and pos not in picked:
+            picked.append(pos)
+    return picked
 
 
 @torch.no_grad()
@@ -529,24 +559,13 @@ class Trainer:
             try:
                 with sync:
                     self.faults.oom()
-                    with _autocast(self.device, t.dtype):
-                        if t.rdrop_alpha > 0:  # both passes in one batch: two masks
-                            features = self.net(batch.src.repeat(2, 1),
-                                                batch.tgt_in.repeat(2, 1), features_only=True)
-                            loss, nll = rdrop_loss(features, self.model.generator.weight,
-                                                   batch.tgt_out.repeat(2, 1), t.eps_ls,
-                                                   t.rdrop_alpha)
-                        else:
-                            features = self.net(batch.src, batch.tgt_in, features_only=True)
-                            loss, nll = generator_loss(features, self.model.generator.weight,
-                                                       batch.tgt_out, t.eps_ls,
-                                                       cpu_kernels=t.cpu_kernels)
+                    loss, nll = self._loss(self.net, batch)
                     loss = self.faults.nan_loss(loss)
                     (loss * scale).backward()
             except (torch.OutOfMemoryError, RuntimeError) as e:
                 if not _is_oom(e):
                     raise
-                features = loss = nll = None  # type: ignore[assignment]  # free what it held
+                loss = nll = None  # type: ignore[assignment]  # free what they held
                 return self._skip_oom(e, batches, i)
             loss_sum += float(loss.detach())
             nll_sum += float(nll)  # type: ignore[arg-type]  # None only on the OOM path
@@ -579,6 +598,63 @@ class Trainer:
         self.state.tokens_seen += src_tok + tgt_tok
         self.state.flops += flops
         return stats
+
+    def _loss(self, net: nn.Module, batch: Batch) -> tuple[Tensor, Tensor]:
+        """The batch's summed training loss and NLL, through `net` (DDP or the model)."""
+        t = self.cfg.train
+        with _autocast(self.device, t.dtype):
+            if t.rdrop_alpha > 0:  # both passes in one batch: two masks
+                features = net(batch.src.repeat(2, 1), batch.tgt_in.repeat(2, 1),
+                               features_only=True)
+                return rdrop_loss(features, self.model.generator.weight,
+                                  batch.tgt_out.repeat(2, 1), t.eps_ls, t.rdrop_alpha)
+            features = net(batch.src, batch.tgt_in, features_only=True)
+            return generator_loss(features, self.model.generator.weight, batch.tgt_out,
+                                  t.eps_ls, cpu_kernels=t.cpu_kernels)
+
+    def preflight(self) -> None:
+        """C7: forward and backward over this epoch's largest batches before training, so
+        that a batch too big for memory fails now, with advice, not hours into the run.
+
+        Nothing of it stays: no update, the gradients dropped, the random state restored
+        (each step reseeds anyway), and through the plain model, so no rank waits in a
+        collective for it. On a GPU the caching allocator keeps the memory for step 1.
+        """
+        t = self.cfg.train
+        epoch = self.state.epoch
+        corpus = self._epoch_data(epoch)
+        order = _epoch_order(corpus, t, epoch, self.dist)
+        cuda = self.device.type == "cuda"
+        t0 = time.perf_counter()
+        shapes = []
+        with torch.random.fork_rng(devices=[self.device] if cuda else []):
+            for pos in largest_batches(corpus.src_lens, corpus.tgt_lens, order):
+                batch = collate(corpus, order[pos])
+                what = (f"batch {pos + 1} of epoch {epoch}: {batch.src.size(0)} sentences, "
+                        f"source {tuple(batch.src.shape)}, target {tuple(batch.tgt_in.shape)}")
+                shapes.append([list(batch.src.shape), list(batch.tgt_in.shape)])
+                try:
+                    loss, _ = self._loss(self.model, batch.to(self.device))
+                    loss.backward()
+                except (torch.OutOfMemoryError, RuntimeError) as e:
+                    if not _is_oom(e):
+                        raise
+                    raise TrainingError(
+                        f"out of memory on {self.device} before training, on the largest "
+                        f"batches of the epoch ({what}): lower train.max_tokens (now "
+                        f"{t.max_tokens}) or train.max_len (now {t.max_len})") from e
+                finally:
+                    self.optimizer.zero_grad(set_to_none=True)
+        seconds = time.perf_counter() - t0
+        if cuda:
+            peak, what = torch.cuda.max_memory_allocated(self.device) / 2**30, "GPU memory"
+        else:  # the process's peak so far; ru_maxrss is in KiB (bytes on macOS)
+            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            peak, what = rss / (2**30 if sys.platform == "darwin" else 2**20), "RSS"
+        log.info("pre-flight: the epoch's %d largest batches fit (%.1f s; peak %s %.2f GiB)",
+                 len(shapes), seconds, what, peak)
+        self._log({"step": self.state.step, "event": "preflight", "shapes": shapes,
+                   "seconds": seconds, "peak_gib": peak})
 
     def _skip_oom(self, e: BaseException, batches: list[tuple[int, int, Batch]],
                   failed: int) -> dict[str, float]:
@@ -731,6 +807,8 @@ class Trainer:
                             "slower steps): start with ONEDNN_PRIMITIVE_CACHE_CAPACITY=1024 "
                             "(docs/performance.md)", ONEDNN_PRIMITIVE_CACHE_CAPACITY)
         self.model.train()
+        if t.preflight:
+            self.preflight()
         stream = self._batch_stream()
         last_save = time.monotonic()
         consecutive_bad = 0
