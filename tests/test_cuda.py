@@ -124,10 +124,12 @@ def test_bf16_inference_on_cuda_stays_close_to_fp32():
     assert same / total > 0.8  # random weights: near-ties flip, most tokens agree
 
 
+@pytest.mark.rows("B6")
 def test_training_on_cuda_matches_the_cpu_and_loads_back(small_data: Path, tmp_path: Path):
     """The training loop on a GPU (fp32, no dropout): the CPU run's losses step for step,
-    and a checkpoint that loads on a machine without a GPU. bf16 autocast on CUDA trains
-    too, to within 2% of fp32's losses over these steps."""
+    and a checkpoint that loads on a machine without a GPU and translates there as on the
+    GPU (B6). bf16 autocast on CUDA trains too, to within 2% of fp32's losses over these
+    steps."""
     from aiayn.checkpoint import load_model
     from aiayn.train import train
 
@@ -144,8 +146,15 @@ def test_training_on_cuda_matches_the_cpu_and_loads_back(small_data: Path, tmp_p
     assert gpu == pytest.approx(cpu, rel=1e-4)
     assert half == pytest.approx(gpu, rel=2e-2)
     assert cpu[-1] < cpu[0]  # it learns
-    model, _, _ = load_model(tmp_path / "cuda-fp32" / "checkpoint_8.pt", device="cpu")
+    model, tok, _ = load_model(tmp_path / "cuda-fp32" / "checkpoint_8.pt", device="cpu")
     assert next(model.parameters()).device.type == "cpu"
+    on_gpu, _, _ = load_model(tmp_path / "cuda-fp32" / "checkpoint_8.pt", device="cuda")
+    src = bench.random_batch(24, tok.vocab_size, lo=3, hi=15, seed=7)
+    cpu_out = beam_search(model, src, 4, 0.6, 1.0, 10, 1)
+    gpu_out = beam_search(on_gpu, src.cuda(), 4, 0.6, 1.0, 10, 1)
+    assert [s[0].tokens for s in gpu_out] == [s[0].tokens for s in cpu_out]
+    assert [s[0].score for s in gpu_out] == pytest.approx([s[0].score for s in cpu_out],
+                                                          abs=1e-4)
 
 
 @pytest.mark.rows("C7")
