@@ -647,12 +647,12 @@ class Trainer:
                     self.optimizer.zero_grad(set_to_none=True)
         seconds = time.perf_counter() - t0
         if cuda:
-            peak, what = torch.cuda.max_memory_allocated(self.device) / 2**30, "GPU memory"
+            peak, memory = torch.cuda.max_memory_allocated(self.device) / 2**30, "GPU memory"
         else:  # the process's peak so far; ru_maxrss is in KiB (bytes on macOS)
             rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-            peak, what = rss / (2**30 if sys.platform == "darwin" else 2**20), "RSS"
+            peak, memory = rss / (2**30 if sys.platform == "darwin" else 2**20), "RSS"
         log.info("pre-flight: the epoch's %d largest batches fit (%.1f s; peak %s %.2f GiB)",
-                 len(shapes), seconds, what, peak)
+                 len(shapes), seconds, memory, peak)
         self._log({"step": self.state.step, "event": "preflight", "shapes": shapes,
                    "seconds": seconds, "peak_gib": peak})
 
