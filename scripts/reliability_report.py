@@ -26,8 +26,10 @@ ROOT = Path(__file__).resolve().parents[1]
 ROWS = {
     "A": {f"A{i}": "CPU" for i in range(1, 12)},
     "B": {"B1": "CPU", "B2": "CPU", "B3": "CPU", "B4": "R", "B5": "CPU", "B6": "GPU"},
+    # C6 and C7: an injected out-of-memory error on the CPU; C7's real one needs a GPU
+    # (tests/test_cuda.py), as C6's would.
     "C": {"C1": "CPU", "C2": "CPU", "C3": "CPU", "C4": "CPU", "C5": "GPU", "C6": "CPU",
-          "C7": "GPU"},
+          "C7": "CPU"},
     "D": {"D1": "CPU", "D2": "CPU", "D3": "CPU", "D4": "CPU", "D5": "CPU", "D6": "CPU",
           "D7": "CPU", "D8": "GPU"},
     "E": {f"E{i}": "CPU" for i in range(1, 9)},
