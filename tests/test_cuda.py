@@ -169,6 +169,9 @@ def test_a_batch_too_big_for_the_gpu_fails_in_the_preflight(small_data: Path, tm
         "N": 2, "d_model": 512, "d_ff": 2048, "h": 8, "d_k": 64, "d_v": 64, "P_drop": 0.1,
         "train.max_tokens": 4000, "max_steps": 2, "save_interval_steps": 1})
     trainer = Trainer(cfg, small_data, tmp_path / "run", device="cuda")
+    # cuBLAS's handle is allocated outside PyTorch's allocator: create it before the cap,
+    # so that the error below is the allocator's out-of-memory error
+    torch.ones(64, 64, device="cuda") @ torch.ones(64, 64, device="cuda")
     torch.cuda.synchronize()
     total = torch.cuda.get_device_properties(0).total_memory
     try:
