@@ -5,7 +5,7 @@
 
 Reads docs/m30k-en-de-probes.csv: one line per run of a probe (a change to the recipe)
 with the test_2016_flickr tok-BLEU of that run and of the recipe run it is paired with
-(same machine, same seed, same code), as docs/results.md records them in the section
+(same machine kind, same seed), as docs/results.md records them in the section
 named on the line. Seeds of one probe are averaged, and so are their paired recipe runs.
 """
 
