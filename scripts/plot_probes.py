@@ -67,6 +67,7 @@ def read_probes(path: Path = CSV) -> list[Probe]:
 
 
 def markdown(probes: list[Probe]) -> str:
+    """The table of docs/results.md's "Every probe at a glance", one row per probe."""
     lines = ["| probe | knob | machine | seeds | steps | test tok-BLEU (recipe -> probe) "
              "| change, test | change, val |", "|---|---|---|---|---|---|---|---|"]
     for p in probes:
@@ -79,6 +80,8 @@ def markdown(probes: list[Probe]) -> str:
 
 
 def plot(probes: list[Probe], out: Path = PNG) -> Path:
+    """One row per probe: an arrow from its paired recipe score to its own, beside the
+    seed band, the published score and the target, so the distances read at a glance."""
     import matplotlib
 
     matplotlib.use("Agg")
