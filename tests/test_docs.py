@@ -41,6 +41,14 @@ def test_every_probe_score_is_the_one_its_section_records():
         assert len(p.recipe_test) == len(p.arm_test) == len(p.seeds)
 
 
+def test_the_table_in_results_md_is_the_one_the_csv_gives():
+    """The table is pasted into results.md; a CSV line added or changed without pasting
+    the script's output again fails here."""
+    results = (ROOT / "docs" / "results.md").read_text(encoding="utf-8")
+    module = _plot_probes()
+    assert module.markdown(module.read_probes()) in _section(results, "Every probe at a glance")
+
+
 def test_markdown_table_gives_the_mean_change_per_probe(tmp_path):
     module = _plot_probes()
     csv = tmp_path / "p.csv"
