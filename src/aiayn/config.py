@@ -122,6 +122,12 @@ class TrainConfig:
     # of it scored 2.2 test tok-BLEU below the recipe (docs/results.md, "R-Drop").
     # 0 = off, the paper's objective.
     rdrop_alpha: float = 0.0
+    # Bidirectional training (BiT; Ding et al., 2021), beyond the paper: the first
+    # bidirectional_epochs epochs train on every pair in both directions (src->tgt and
+    # tgt->src, one shared vocabulary and model, no tags: an epoch is twice as long), the
+    # rest on src->tgt only. Ding et al. give the first third of the steps to it.
+    # 0 = off, the paper's data.
+    bidirectional_epochs: int = 0
     patience: int = 0  # stop after this many validations without a better NLL; 0 = never
     # Before step 1 (and after a resume), one forward and backward pass over the epoch's
     # largest batches (RELIABILITY C7), so that a batch too big for the device's memory
@@ -153,7 +159,7 @@ class TrainConfig:
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"train.{name} must be in [0, 1), got {getattr(self, name)}")
         for name in ("max_minutes", "clip_norm", "save_interval_steps", "save_interval_minutes",
-                     "rdrop_alpha"):
+                     "rdrop_alpha", "bidirectional_epochs"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
         if not 0.0 <= self.bpe_dropout < 1.0:

@@ -361,6 +361,22 @@ class Corpus:
     def tgt(self, i: int) -> list[int]:
         return self._tgt_ids[self._tgt_off[i]:self._tgt_off[i + 1]].tolist()
 
+    def both_directions(self) -> Corpus:
+        """Every pair twice, as (src, tgt) and then as (tgt, src): bidirectional training's
+        data (Ding et al., 2021). Needs one vocabulary for both languages, as
+        `prepare` builds; pair n + i is pair i reversed, with its line number."""
+        def joined(first: str, second: str) -> tuple[torch.Tensor, torch.Tensor]:
+            ids_a, off_a = getattr(self, f"_{first}_ids"), getattr(self, f"_{first}_off")
+            ids_b, off_b = getattr(self, f"_{second}_ids"), getattr(self, f"_{second}_off")
+            return torch.cat([ids_a, ids_b]), torch.cat([off_a, off_b[1:] + ids_a.numel()])
+
+        src_ids, src_off = joined("src", "tgt")
+        tgt_ids, tgt_off = joined("tgt", "src")
+        return Corpus({"src_ids": src_ids, "src_offsets": src_off, "tgt_ids": tgt_ids,
+                       "tgt_offsets": tgt_off,
+                       "line_numbers": torch.cat([self.line_numbers, self.line_numbers])},
+                      name="<both directions>")
+
 
 def load_corpus(data_dir: str | Path, split: str) -> Corpus:
     """Load a prepared split after checking it and spm.model against the manifest's hashes.

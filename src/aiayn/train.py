@@ -346,6 +346,7 @@ class Trainer:
         t = self.cfg.train
         self._bpe_dropout = (BPEDropout(self.train_data, self.tokenizer, t.bpe_dropout, t.max_len)
                              if t.bpe_dropout > 0 else None)
+        self._both_directions: Corpus | None = None
         valid_path = self.data_dir / "valid.pt"
         self.valid_data = load_corpus(self.data_dir, "valid") if valid_path.exists() else None
         self.data_sha256 = sha256_file(self.data_dir / "train.pt")
@@ -462,10 +463,18 @@ class Trainer:
 
     def _epoch_data(self, epoch: int) -> Corpus:
         """The training pairs of `epoch`: the prepared ones, or a BPE-dropout draw that
-        depends on (seed, epoch) only, so that a resumed run sees the same epochs."""
-        if self._bpe_dropout is None:
-            return self.train_data
-        return self._bpe_dropout.epoch(self.cfg.train.seed * 1_000_003 + epoch)
+        depends on (seed, epoch) only, so that a resumed run sees the same epochs; in
+        both directions for the first `train.bidirectional_epochs` epochs."""
+        t = self.cfg.train
+        corpus = (self.train_data if self._bpe_dropout is None
+                  else self._bpe_dropout.epoch(t.seed * 1_000_003 + epoch))
+        if epoch < t.bidirectional_epochs:
+            if corpus is self.train_data:  # built once, not every epoch
+                if self._both_directions is None:
+                    self._both_directions = corpus.both_directions()
+                return self._both_directions
+            return corpus.both_directions()
+        return corpus
 
     def checkpoint_dict(self) -> dict[str, Any]:
         tok = self.tokenizer.to_bytes()
@@ -795,6 +804,10 @@ class Trainer:
                  "side x %d accumulation x %d ranks = ~%d", count_parameters(self.model),
                  len(self.train_data), t.max_tokens, t.update_freq, self.dist.world_size,
                  t.max_tokens * t.update_freq * self.dist.world_size)
+        if self.state.epoch < t.bidirectional_epochs:
+            log.info("bidirectional training: epochs up to %d on every pair in both "
+                     "directions (%d pairs), then source->target only",
+                     t.bidirectional_epochs - 1, 2 * len(self.train_data))
         if t.dtype == "bf16" and self.dist.is_main:
             warning = slow_bf16_warning(self.device)
             if warning:
