@@ -53,6 +53,19 @@ def test_a_trainer_reverses_the_first_epochs_only(small_data: Path, tmp_path: Pa
         assert trainer._epoch_data(2) is trainer.train_data
     finally:
         trainer.close()
+    # with BPE-dropout: that epoch's draw, then the same draw reversed
+    trainer = Trainer(cfg(bidirectional_epochs=1, bpe_dropout=0.1), small_data,
+                      tmp_path / "bpe")
+    try:
+        n = len(trainer.train_data)
+        drawn, both = trainer._epoch_data(0), trainer._bpe_dropout.epoch(1_000_003)
+        assert len(drawn) == 2 * n
+        assert [drawn.src(i) for i in range(n)] == [both.src(i) for i in range(n)]
+        assert [drawn.src(n + i) for i in range(n)] == [both.tgt(i) for i in range(n)]
+        assert [drawn.src(i) for i in range(n)] != [trainer.train_data.src(i) for i in range(n)]
+        assert len(trainer._epoch_data(1)) == n
+    finally:
+        trainer.close()
     with pytest.raises(ConfigError, match="bidirectional_epochs"):
         cfg(bidirectional_epochs=-1).validate()
 
