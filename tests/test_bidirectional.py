@@ -16,6 +16,7 @@ from aiayn.batching import collate
 from aiayn.config import ConfigError, apply_overrides, get_preset
 from aiayn.data import load_corpus
 from aiayn.train import Trainer, train
+from test_resume import losses_after_crash_and_resume, step_losses
 
 SMALL = {"N": 1, "d_model": 32, "d_ff": 64, "h": 2, "d_k": 16, "d_v": 16, "P_drop": 0.1,
          "train.max_tokens": 1500, "max_steps": 30, "warmup_steps": 10,
@@ -70,31 +71,19 @@ def test_a_trainer_reverses_the_first_epochs_only(small_data: Path, tmp_path: Pa
         cfg(bidirectional_epochs=-1).validate()
 
 
-def _records(run: Path) -> list[dict[str, Any]]:
-    return [json.loads(x) for x in (run / "train_log.jsonl").read_text().splitlines()]
-
-
-def _losses(run: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in _records(run) if "loss" in r and "event" not in r}
-
-
 def test_bidirectional_training_resumes_exactly(small_data: Path, tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """A crash inside the bidirectional epoch and a resume give an uninterrupted run's
     losses, through the switch to one direction; and they are not the one-way run's."""
     torch.set_num_threads(1)
-    train(cfg(), small_data, tmp_path / "full")
-    full = _losses(tmp_path / "full")
-    monkeypatch.setenv("AIAYN_FAULTS", "raise_at_step=4")
-    with pytest.raises(RuntimeError, match="injected fault"):
-        train(cfg(), small_data, tmp_path / "resumed")
-    monkeypatch.delenv("AIAYN_FAULTS")
-    train(cfg(), small_data, tmp_path / "resumed")
-    assert _losses(tmp_path / "resumed") == full
+    full, resumed = losses_after_crash_and_resume(cfg(), small_data, tmp_path, 13, monkeypatch)
+    assert resumed == full
     train(cfg(bidirectional_epochs=0), small_data, tmp_path / "one_way")
-    one_way = _losses(tmp_path / "one_way")
+    one_way = dict(step_losses(tmp_path / "one_way"))
     assert set(one_way) == set(full) == set(range(1, 31))
     assert one_way != full
-    # the fault struck in the bidirectional epoch, and the run went on past it
-    epochs = {r["step"]: r["epoch"] for r in _records(tmp_path / "full") if "epoch" in r}
-    assert epochs[4] == 0 and epochs[30] >= 2
+    # the fault struck in the bidirectional epoch (after the checkpoint of step 10, the
+    # resume's start), and the run went on past it
+    records = map(json.loads, (tmp_path / "full" / "train_log.jsonl").read_text().splitlines())
+    epochs = {r["step"]: r["epoch"] for r in records if "epoch" in r}
+    assert epochs[13] == 0 and epochs[30] >= 2

@@ -23,6 +23,7 @@ from aiayn.data import BPEDropout, _bpe_dropout_words, load_corpus, load_tokeniz
 from aiayn.files import read_lines
 from aiayn.tokenizer import Tokenizer
 from aiayn.train import train
+from test_resume import losses_after_crash_and_resume, step_losses
 
 MULTI30K = Path(__file__).resolve().parents[2] / "shared" / "data" / "multi30k"
 
@@ -160,26 +161,15 @@ def test_another_process_draws_the_same_epoch(small_data: Path) -> None:
         assert json.loads(out) == expected
 
 
-def _losses(run: Path) -> dict[int, float]:
-    recs = [json.loads(x) for x in (run / "train_log.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in recs if "loss" in r and "event" not in r}
-
-
 def test_training_with_bpe_dropout_resumes_exactly(small_data: Path, tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """A crash and a resume replay the same segmentations (they come from seed and epoch),
     so the losses equal an uninterrupted run's; and they are not the fixed segmentation's."""
     torch.set_num_threads(1)
-    train(cfg(), small_data, tmp_path / "full")
-    full = _losses(tmp_path / "full")
-    monkeypatch.setenv("AIAYN_FAULTS", "raise_at_step=18")
-    with pytest.raises(RuntimeError, match="injected fault"):
-        train(cfg(), small_data, tmp_path / "resumed")
-    monkeypatch.delenv("AIAYN_FAULTS")
-    train(cfg(), small_data, tmp_path / "resumed")
-    assert _losses(tmp_path / "resumed") == full
+    full, resumed = losses_after_crash_and_resume(cfg(), small_data, tmp_path, 18, monkeypatch)
+    assert resumed == full
     train(cfg(bpe_dropout=0.0), small_data, tmp_path / "fixed")
-    fixed = _losses(tmp_path / "fixed")
+    fixed = dict(step_losses(tmp_path / "fixed"))
     assert fixed[1] != full[1]
     assert set(fixed) == set(full) == set(range(1, 31))
 

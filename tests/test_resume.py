@@ -66,6 +66,20 @@ def step_losses(run: Path) -> list[tuple[int, float]]:
     return out
 
 
+def losses_after_crash_and_resume(config: Any, data: Path, root: Path, step: int,
+                                  monkeypatch: pytest.MonkeyPatch
+                                  ) -> tuple[dict[int, float], dict[int, float]]:
+    """Train `config` uninterrupted in root/full, and in root/resumed crash as `step`
+    starts, then resume: each run's loss by step (a replayed step: its later line)."""
+    train(config, data, root / "full")
+    monkeypatch.setenv("AIAYN_FAULTS", f"raise_at_step={step}")
+    with pytest.raises(RuntimeError, match="injected fault"):
+        train(config, data, root / "resumed")
+    monkeypatch.delenv("AIAYN_FAULTS")
+    train(config, data, root / "resumed")
+    return dict(step_losses(root / "full")), dict(step_losses(root / "resumed"))
+
+
 def assert_bitwise(a: Any, b: Any, where: str = "") -> None:
     """torch.equal on every tensor, == on everything else (train_seconds excepted)."""
     if isinstance(a, torch.Tensor):
