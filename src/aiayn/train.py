@@ -468,13 +468,13 @@ class Trainer:
         t = self.cfg.train
         corpus = (self.train_data if self._bpe_dropout is None
                   else self._bpe_dropout.epoch(t.seed * 1_000_003 + epoch))
-        if epoch < t.bidirectional_epochs:
-            if corpus is self.train_data:  # built once, not every epoch
-                if self._both_directions is None:
-                    self._both_directions = corpus.both_directions()
-                return self._both_directions
+        if epoch >= t.bidirectional_epochs:
+            return corpus
+        if self._bpe_dropout is not None:  # a new draw each epoch
             return corpus.both_directions()
-        return corpus
+        if self._both_directions is None:  # the prepared pairs: built once
+            self._both_directions = corpus.both_directions()
+        return self._both_directions
 
     def checkpoint_dict(self) -> dict[str, Any]:
         tok = self.tokenizer.to_bytes()
