@@ -23,7 +23,7 @@ from typing import Generic, Protocol, TypeVar
 
 import torch
 
-from aiayn.config import BOS_ID, EOS_ID, PAD_ID
+from aiayn.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +61,16 @@ class Batch:
     def tgt_tokens(self) -> int:
         """Non-pad target tokens: the number of predictions the loss averages over."""
         return int((self.tgt_out != PAD_ID).sum())
+
+    def drop_words(self, p: float) -> Batch:
+        """Word dropout (`train.word_dropout`): each source token but EOS and each decoder
+        input but BOS becomes <unk> with probability p, drawn from PyTorch's generator on
+        the batch's device; what the decoder predicts (tgt_out) is left as it is."""
+        def drop(x: torch.Tensor, keep: int) -> torch.Tensor:
+            hit = torch.rand(x.shape, device=x.device) < p
+            return torch.where(hit & (x != PAD_ID) & (x != keep), UNK_ID, x)
+
+        return Batch(drop(self.src, EOS_ID), drop(self.tgt_in, BOS_ID), self.tgt_out, self.ids)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
         """The batch on `device`; `non_blocking` overlaps the copy from pinned memory with

@@ -128,6 +128,12 @@ class TrainConfig:
     # rest on src->tgt only. Ding et al. give the first third of the steps to it.
     # 0 = off, the paper's data.
     bidirectional_epochs: int = 0
+    # Word dropout (Sennrich and Zhang, 2019, for low-resource NMT), beyond the paper: each
+    # training batch replaces every source token (EOS aside) and every decoder input token
+    # (BOS aside) with <unk>, each with this probability; the predicted tokens stay. Drawn
+    # from PyTorch's generator after the step's seed, so resumed runs repeat it exactly.
+    # 0 = off, the paper's inputs.
+    word_dropout: float = 0.0
     patience: int = 0  # stop after this many validations without a better NLL; 0 = never
     # Before step 1 (and after a resume), one forward and backward pass over the epoch's
     # largest batches (RELIABILITY C7), so that a batch too big for the device's memory
@@ -162,8 +168,9 @@ class TrainConfig:
                      "rdrop_alpha", "bidirectional_epochs"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
-        if not 0.0 <= self.bpe_dropout < 1.0:
-            raise ConfigError(f"train.bpe_dropout must be in [0, 1), got {self.bpe_dropout}")
+        for name in ("bpe_dropout", "word_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"train.{name} must be in [0, 1), got {getattr(self, name)}")
         if self.max_len_ratio < 1.0:
             raise ConfigError(f"train.max_len_ratio must be >= 1, got {self.max_len_ratio}")
         if self.dtype not in ("fp32", "bf16"):

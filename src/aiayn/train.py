@@ -52,7 +52,7 @@ RESUMABLE_CHANGES = {"max_steps", "max_minutes", "save_interval_steps", "save_in
 OPTIMIZER_KEYS = {"warmup_steps", "lr_scale", "beta1", "beta2", "adam_eps", "clip_norm", "eps_ls",
                   "dtype"}
 DATALOADER_KEYS = {"max_tokens", "update_freq", "seed", "max_len", "max_len_ratio",
-                   "bpe_dropout"}
+                   "bpe_dropout", "word_dropout"}
 MAX_CONSECUTIVE_NONFINITE = 5
 #: With max_minutes set, the pace of steps PACE_FROM_STEP..PACE_AT_STEP after the start (or
 #: resume) projects whether max_steps fits the budget. The first steps are skipped: on
@@ -562,6 +562,8 @@ class Trainer:
         scale = self.dist.world_size / max(tgt_tok, 1)
         for i, (epoch, pos, batch) in enumerate(batches):
             batch = batch.to(self.device, non_blocking=self.device.type == "cuda")
+            if t.word_dropout > 0:
+                batch = batch.drop_words(t.word_dropout)
             last = i == len(batches) - 1
             sync = contextlib.nullcontext() if last or not self.dist.active else \
                 self.net.no_sync()  # type: ignore[operator]
