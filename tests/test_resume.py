@@ -284,6 +284,32 @@ def test_signal_finishes_the_step_saves_and_exits(small_data: Path, tmp_path: Pa
     record_property("steps_lost", [0])
 
 
+@pytest.mark.rows("A1", "A5")
+def test_sigterm_between_saves_then_rerun_is_bitwise_equal(
+        small_data: Path, baseline: Path, tmp_path: Path,
+        record_property: pytest.RecordProperty) -> None:
+    """A5 held to A1's bar: a SIGTERM between two save intervals, in the middle of an epoch,
+    saves that very step, and the same command then continues bitwise as if never stopped,
+    redoing no step (the checkpoint carries the position inside the epoch)."""
+    run = tmp_path / "run"
+    at = 13  # not a multiple of the save interval; ~8 batches an epoch, so mid-epoch
+    assert at % K
+    stopped = cli_train(small_data, run, faults=f"term_at_step={at}", check=False)
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-2000:]
+    assert "stopped (SIGTERM)" in stopped.stdout
+    assert load_checkpoint(run / "checkpoint_last.pt")["step"] == at
+    resumed = cli_train(small_data, run)  # the same command again
+    assert f"resumed from {run / f'checkpoint_{at}.pt'}: step {at}," in resumed.stderr
+    seen = step_losses(run)
+    assert [s for s, _ in seen] == list(range(1, SMALL["max_steps"] + 1))  # none redone
+    base = dict(step_losses(baseline))
+    for step, loss in seen:
+        assert loss == base[step], step
+    assert_bitwise(final_state(baseline), final_state(run), f"SIGTERM at {at}")
+    record_property("faults", {"SIGTERM": 1})
+    record_property("steps_lost", [0])
+
+
 @pytest.mark.rows("A6")
 def test_resume_past_max_steps_does_nothing(small_data: Path, baseline: Path,
                                             tmp_path: Path) -> None:

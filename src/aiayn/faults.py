@@ -6,6 +6,8 @@ of a torchrun job that hangs), so they are read from the environment rather than
 AIAYN_FAULTS is a comma-separated list of key=value:
 
     kill_at_step=N      SIGKILL this process as step N starts
+    term_at_step=N      SIGTERM this process as step N starts (the step finishes, is saved,
+                        and the run stops, as on an operator's SIGTERM)
     raise_at_step=N     raise RuntimeError("injected fault ...") as step N starts
     hang_at_step=N      sleep for ever as step N starts (a hung rank)
     oom_at_step=N       raise torch.OutOfMemoryError in the forward pass of step N ...
@@ -41,9 +43,9 @@ import torch
 from torch import nn
 
 ENV = "AIAYN_FAULTS"
-_INT_KEYS = {"kill_at_step", "raise_at_step", "hang_at_step", "oom_at_step", "oom_times",
-             "nan_at_step", "nan_times", "lr_mult_at_step", "lr_mult_steps", "perturb_at_step",
-             "rank"}
+_INT_KEYS = {"kill_at_step", "term_at_step", "raise_at_step", "hang_at_step", "oom_at_step",
+             "oom_times", "nan_at_step", "nan_times", "lr_mult_at_step", "lr_mult_steps",
+             "perturb_at_step", "rank"}
 _KEYS = _INT_KEYS | {"nan_module", "lr_mult", "once"}
 
 
@@ -105,6 +107,8 @@ class Faults:
         whether this attempt runs out of memory or turns NaN."""
         if self._due("kill", step) and self._once():
             os.kill(os.getpid(), signal.SIGKILL)
+        if self._due("term", step) and self._once():
+            os.kill(os.getpid(), signal.SIGTERM)
         if self._due("raise", step) and self._once():
             raise RuntimeError(f"injected fault at step {step} on rank {self.rank}")
         if self._due("hang", step) and self._once():
