@@ -297,7 +297,8 @@ def test_sigterm_between_saves_then_rerun_is_bitwise_equal(
     stopped = cli_train(small_data, run, faults=f"term_at_step={at}", check=False)
     assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-2000:]
     assert "stopped (SIGTERM)" in stopped.stdout
-    assert load_checkpoint(run / "checkpoint_last.pt")["step"] == at
+    saved = load_checkpoint(run / "checkpoint_last.pt")
+    assert saved["step"] == at and saved["train_state"]["batch_in_epoch"] > 0
     resumed = cli_train(small_data, run)  # the same command again
     assert f"resumed from {run / f'checkpoint_{at}.pt'}: step {at}," in resumed.stderr
     seen = step_losses(run)
