@@ -19,7 +19,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from aiayn.bench import _sync, train_step
+from aiayn.experiments.bench import _sync, train_step
 
 
 def main() -> int:
@@ -35,8 +35,9 @@ def main() -> int:
     args = p.parse_args()
 
     dev = torch.device(args.device)
-    step, _, _, _ = train_step(args.preset, args.dtype, args.device,
-                               batch=args.batch_sentences, compile=args.compile)
+    step, _, _, _ = train_step(
+        args.preset, args.dtype, args.device, batch=args.batch_sentences, compile=args.compile
+    )
     for _ in range(3):
         step()
     _sync(dev)
@@ -55,10 +56,19 @@ def main() -> int:
     key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=key, row_limit=args.rows))
     if dev.type == "cuda":
-        kernels = sum(e.device_time for e in prof.events()
-                      if e.device_type == torch.autograd.DeviceType.CUDA) / 1e6 / args.steps
-        print(f"step wall {wall * 1e3:.1f} ms (median of {args.steps}, unprofiled); kernels "
-              f"{kernels * 1e3:.1f} ms a step: the GPU is busy {kernels / wall:.0%} of the step")
+        kernels = (
+            sum(
+                e.device_time
+                for e in prof.events()
+                if e.device_type == torch.autograd.DeviceType.CUDA
+            )
+            / 1e6
+            / args.steps
+        )
+        print(
+            f"step wall {wall * 1e3:.1f} ms (median of {args.steps}, unprofiled); kernels "
+            f"{kernels * 1e3:.1f} ms a step: the GPU is busy {kernels / wall:.0%} of the step"
+        )
     else:
         print(f"step wall {wall * 1e3:.1f} ms (median of {args.steps}, unprofiled)")
     if args.trace:

@@ -15,7 +15,7 @@ second line leaves padding out of the position-wise layers (`train.pack_padding`
 recipes train on the whole padded batches, `--padded`), the third shows oneDNN's default
 kernel cache (aiayn sets a larger one on import).
 Run it with the allocator settings the `aiayn` command sets for itself (MALLOC_* in
-`aiayn.cli`), or page faults blur the comparison on VMs like ours.
+`aiayn.cli.environment`), or page faults blur the comparison on VMs like ours.
 """
 
 from __future__ import annotations
@@ -30,13 +30,13 @@ from dataclasses import replace
 import torch
 
 import aiayn  # noqa: F401  # sets oneDNN's kernel cache before the first product
-from aiayn.batching import collate, token_batches
 from aiayn.config import get_preset, load_experiment
-from aiayn.data import BPEDropout, load_corpus
-from aiayn.loss import generator_loss
+from aiayn.data.batching import collate, token_batches
+from aiayn.data.prepare import BPEDropout, load_corpus
+from aiayn.data.tokenizer import Tokenizer
 from aiayn.model import Transformer
-from aiayn.tokenizer import Tokenizer
-from aiayn.train import make_optimizer
+from aiayn.training.loss import generator_loss
+from aiayn.training.trainer import make_optimizer
 
 
 def main() -> int:
@@ -46,12 +46,22 @@ def main() -> int:
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--max-batches", type=int, default=0, help="per epoch; 0 = all")
     how = p.add_mutually_exclusive_group()
-    how.add_argument("--padded", action="store_true",
-                     help="the whole padded batches (train.pack_padding = false)")
-    how.add_argument("--packed", action="store_true",
-                     help="padding left out (train.pack_padding = true); default: the config's")
-    p.add_argument("--bpe-dropout", type=float, default=None,
-                   help="re-segment each epoch with this BPE-dropout p (default: the config's)")
+    how.add_argument(
+        "--padded",
+        action="store_true",
+        help="the whole padded batches (train.pack_padding = false)",
+    )
+    how.add_argument(
+        "--packed",
+        action="store_true",
+        help="padding left out (train.pack_padding = true); default: the config's",
+    )
+    p.add_argument(
+        "--bpe-dropout",
+        type=float,
+        default=None,
+        help="re-segment each epoch with this BPE-dropout p (default: the config's)",
+    )
     args = p.parse_args()
 
     cfg = load_experiment(args.config)[0] if args.config else get_preset("tiny")
@@ -61,8 +71,11 @@ def main() -> int:
         cfg = replace(cfg, train=replace(cfg.train, bpe_dropout=args.bpe_dropout))
     corpus = load_corpus(args.data, "train")
     t = cfg.train
-    resegment = (BPEDropout(corpus, Tokenizer.load(f"{args.data}/spm.model"), t.bpe_dropout,
-                            t.max_len) if t.bpe_dropout > 0 else None)
+    resegment = (
+        BPEDropout(corpus, Tokenizer.load(f"{args.data}/spm.model"), t.bpe_dropout, t.max_len)
+        if t.bpe_dropout > 0
+        else None
+    )
     torch.manual_seed(cfg.train.seed)
     model = Transformer(cfg.model).train()
     packed = args.packed or (cfg.train.pack_padding and not args.padded)
@@ -70,18 +83,21 @@ def main() -> int:
     model.use_cpu_kernels(cfg.train.cpu_kernels)  # as the trainer does
     opt = make_optimizer(model, cfg.train)
     bf16 = cfg.train.dtype == "bf16"
-    print(f"{cfg.train.dtype}, max_tokens {cfg.train.max_tokens}, "
-          f"{'packed' if packed else 'padded'} batches, cpu_kernels {cfg.train.cpu_kernels}, "
-          f"oneDNN kernel cache "
-          f"{os.environ.get('ONEDNN_PRIMITIVE_CACHE_CAPACITY', 'default')}, BPE-dropout "
-          f"{t.bpe_dropout}")
+    print(
+        f"{cfg.train.dtype}, max_tokens {cfg.train.max_tokens}, "
+        f"{'packed' if packed else 'padded'} batches, cpu_kernels {cfg.train.cpu_kernels}, "
+        f"oneDNN kernel cache "
+        f"{os.environ.get('ONEDNN_PRIMITIVE_CACHE_CAPACITY', 'default')}, BPE-dropout "
+        f"{t.bpe_dropout}"
+    )
     seen: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
     for epoch in range(args.epochs):
         if resegment is not None:  # the seed the trainer uses for this epoch
             corpus = resegment.epoch(t.seed * 1_000_003 + epoch)
-        order = token_batches(corpus.src_lens, corpus.tgt_lens, cfg.train.max_tokens,
-                              seed=cfg.train.seed, epoch=epoch)
-        batches = [collate(corpus, b) for b in order[:args.max_batches or None]]
+        order = token_batches(
+            corpus.src_lens, corpus.tgt_lens, cfg.train.max_tokens, seed=cfg.train.seed, epoch=epoch
+        )
+        batches = [collate(corpus, b) for b in order[: args.max_batches or None]]
         shapes = {(tuple(b.src.shape), tuple(b.tgt_in.shape)) for b in batches}
         new, seen = len(shapes - seen), seen | shapes
         t0 = time.perf_counter()
@@ -89,17 +105,25 @@ def main() -> int:
         for b in batches:
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                 features = model(b.src, b.tgt_in, features_only=True)
-                loss, _ = generator_loss(features, model.generator.weight, b.tgt_out,
-                                         cfg.train.eps_ls, cpu_kernels=cfg.train.cpu_kernels)
+                loss, _ = generator_loss(
+                    features,
+                    model.generator.weight,
+                    b.tgt_out,
+                    cfg.train.eps_ls,
+                    cpu_kernels=cfg.train.cpu_kernels,
+                )
             (loss / b.tgt_tokens).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             tokens += b.src_tokens + b.tgt_tokens
         dt = time.perf_counter() - t0
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-        print(f"epoch {epoch}: {len(batches)} steps, {dt / len(batches) * 1e3:.1f} ms a step, "
-              f"{tokens / dt:,.0f} tokens/s, peak RSS {rss:.2f} GiB, {len(shapes)} batch "
-              f"shapes ({new} not seen before)", flush=True)
+        print(
+            f"epoch {epoch}: {len(batches)} steps, {dt / len(batches) * 1e3:.1f} ms a step, "
+            f"{tokens / dt:,.0f} tokens/s, peak RSS {rss:.2f} GiB, {len(shapes)} batch "
+            f"shapes ({new} not seen before)",
+            flush=True,
+        )
     return 0
 
 

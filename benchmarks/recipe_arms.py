@@ -35,7 +35,8 @@ def parse_arm(text: str) -> tuple[str, list[str]]:
     name, sep, rest = text.partition(":")
     if not sep or not NAME.match(name):
         raise argparse.ArgumentTypeError(
-            f"an arm is NAME:KEY=VALUE,... with NAME in letters, digits, '.', '_', '-': {text!r}")
+            f"an arm is NAME:KEY=VALUE,... with NAME in letters, digits, '.', '_', '-': {text!r}"
+        )
     sets = [s.strip() for s in rest.split(",") if s.strip()]
     for s in sets:
         if "=" not in s:
@@ -43,8 +44,9 @@ def parse_arm(text: str) -> tuple[str, list[str]]:
     return name, sets
 
 
-def command(config: str, data: str | None, out: Path, device: str | None, sets: list[str]
-            ) -> list[str]:
+def command(
+    config: str, data: str | None, out: Path, device: str | None, sets: list[str]
+) -> list[str]:
     cmd = [sys.executable, "-m", "aiayn", "recipe", config, "--out", str(out), "--no-progress"]
     if data:
         cmd += ["--data", data]
@@ -63,26 +65,37 @@ def summary(name: str, sets: list[str], run: Path, rc: int | None) -> dict:
         return row
     r = json.loads(path.read_text())
     train = r.get("train", {})
-    row.update(steps=train.get("steps"), train_minutes=round(train.get("train_seconds", 0) / 60, 2),
-               valid_ppl=(train.get("last_valid") or {}).get("valid_ppl"),
-               alpha=r["config"]["decode"]["alpha"],  # chosen on val where the recipe tunes it
-               sacrebleu=r["scores"]["sacrebleu"], tok_bleu=r["scores"]["tok_bleu"],
-               chrf=r["scores"]["chrf"])
+    row.update(
+        steps=train.get("steps"),
+        train_minutes=round(train.get("train_seconds", 0) / 60, 2),
+        valid_ppl=(train.get("last_valid") or {}).get("valid_ppl"),
+        alpha=r["config"]["decode"]["alpha"],  # chosen on val where the recipe tunes it
+        sacrebleu=r["scores"]["sacrebleu"],
+        tok_bleu=r["scores"]["tok_bleu"],
+        chrf=r["scores"]["chrf"],
+    )
     return row
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| arm | overrides | steps | train min | valid PPL | alpha | sacreBLEU | tok-BLEU "
-             "| chrF2 |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| arm | overrides | steps | train min | valid PPL | alpha | sacreBLEU | tok-BLEU "
+        "| chrF2 |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if "tok_bleu" not in r:
-            lines.append(f"| {r['arm']} | {r['overrides']} | failed (rc {r['rc']}; see its log) "
-                         "| | | | | | |")
+            lines.append(
+                f"| {r['arm']} | {r['overrides']} | failed (rc {r['rc']}; see its log) "
+                "| | | | | | |"
+            )
             continue
         ppl = "" if r["valid_ppl"] is None else f"{r['valid_ppl']:.2f}"
-        lines.append(f"| {r['arm']} | {r['overrides'] or '(recipe)'} | {r['steps']} | "
-                     f"{r['train_minutes']} | {ppl} | {r['alpha']} | {r['sacrebleu']:.2f} | "
-                     f"{r['tok_bleu']:.2f} | {r['chrf']:.2f} |")
+        lines.append(
+            f"| {r['arm']} | {r['overrides'] or '(recipe)'} | {r['steps']} | "
+            f"{r['train_minutes']} | {ppl} | {r['alpha']} | {r['sacrebleu']:.2f} | "
+            f"{r['tok_bleu']:.2f} | {r['chrf']:.2f} |"
+        )
     return "\n".join(lines)
 
 
@@ -93,10 +106,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data", help="local copy of the corpus (default: the recipe downloads)")
     ap.add_argument("--device")
     ap.add_argument("--parallel", type=int, default=1, help="arms running at once")
-    ap.add_argument("--arm", action="append", type=parse_arm, required=True,
-                    help="NAME:KEY=VALUE,... (repeatable)")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="for every arm")
+    ap.add_argument(
+        "--arm",
+        action="append",
+        type=parse_arm,
+        required=True,
+        help="NAME:KEY=VALUE,... (repeatable)",
+    )
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="for every arm")
     args = ap.parse_args(argv)
     names = [n for n, _ in args.arm]
     if len(set(names)) != len(names):
@@ -114,8 +131,13 @@ def main(argv: list[str] | None = None) -> int:
             log = (args.out / f"{name}.log").open("ab")
             cmd = command(args.config, args.data, args.out / name, args.device, sets)
             print(f"[{time.strftime('%H:%M:%S')}] {name}: {' '.join(cmd[1:])}", flush=True)
-            running.append((name, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT),
-                            time.monotonic()))
+            running.append(
+                (
+                    name,
+                    subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT),
+                    time.monotonic(),
+                )
+            )
             log.close()
         time.sleep(1.0)
         for entry in list(running):
@@ -123,8 +145,11 @@ def main(argv: list[str] | None = None) -> int:
             if proc.poll() is not None:
                 rcs[name] = proc.returncode
                 running.remove(entry)
-                print(f"[{time.strftime('%H:%M:%S')}] {name}: exit {proc.returncode} after "
-                      f"{(time.monotonic() - t0) / 60:.1f} min", flush=True)
+                print(
+                    f"[{time.strftime('%H:%M:%S')}] {name}: exit {proc.returncode} after "
+                    f"{(time.monotonic() - t0) / 60:.1f} min",
+                    flush=True,
+                )
     rows = [summary(n, args.set + s, args.out / n, rcs.get(n, 0)) for n, s in args.arm]
     (args.out / "arms.json").write_text(json.dumps(rows, indent=1) + "\n")
     print(table(rows))

@@ -5,8 +5,9 @@
 
 Reads docs/m30k-en-de-probes.csv: one line per run of a probe (a change to the recipe)
 with the test_2016_flickr tok-BLEU of that run and of the recipe run it is paired with
-(same machine kind, same seed), as docs/results.md records them in the section
-named on the line. Seeds of one probe are averaged, and so are their paired recipe runs.
+(same machine kind, same seed), as the experiment file of docs/experiments/ whose
+heading the line's `section` names records them. Seeds of one probe are averaged, and so
+are their paired recipe runs.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from statistics import mean
 ROOT = Path(__file__).resolve().parents[1]
 CSV = ROOT / "docs" / "m30k-en-de-probes.csv"
 PNG = ROOT / "docs" / "m30k-en-de-probes.png"
+EXPERIMENTS = ROOT / "docs" / "experiments"
 
 #: issue 3's target and the published number for the recipe's model (tok-BLEU)
 TARGET, PUBLISHED = 42.0, 41.02
@@ -54,8 +56,10 @@ def read_probes(path: Path = CSV) -> list[Probe]:
     probes: dict[tuple[str, str], Probe] = {}
     with path.open(encoding="utf-8", newline="") as f:
         for line, row in enumerate(csv.DictReader(f), start=2):
-            p = probes.setdefault((row["probe"], row["machine"]), Probe(
-                row["probe"], row["knob"], row["machine"], row["steps"], row["section"]))
+            p = probes.setdefault(
+                (row["probe"], row["machine"]),
+                Probe(row["probe"], row["knob"], row["machine"], row["steps"], row["section"]),
+            )
             try:
                 p.seeds.append(int(row["seed"]))
                 for col in ("recipe_test", "arm_test", "recipe_val", "arm_val"):
@@ -66,16 +70,32 @@ def read_probes(path: Path = CSV) -> list[Probe]:
     return list(probes.values())
 
 
+def record(section: str, experiments: Path = EXPERIMENTS) -> str:
+    """The section as a link to the file of docs/experiments/ whose `# ` heading starts
+    with it (relative to docs/), or the section's name alone where no file has it."""
+    for path in sorted(experiments.glob("*.md")):
+        with path.open(encoding="utf-8") as f:
+            if f.readline().startswith(f"# {section}"):
+                return f"[{section}](experiments/{path.name})"
+    return section
+
+
 def markdown(probes: list[Probe]) -> str:
     """The table of docs/results.md's "Every probe at a glance", one row per probe."""
-    lines = ["| probe | knob | machine | seeds | steps | test tok-BLEU (recipe -> probe) "
-             "| change, test | change, val |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| probe | knob | machine | seeds | steps | test tok-BLEU (recipe -> probe) "
+        "| change, test | change, val | record |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for p in probes:
         dv = p.change("val")
-        lines.append(f"| {p.probe} | {p.knob} | {p.machine} | "
-                     f"{', '.join(map(str, p.seeds))} | {p.steps} | "
-                     f"{mean(p.recipe_test):.2f} -> {mean(p.arm_test):.2f} | "
-                     f"**{p.change('test'):+.2f}** | {'' if dv is None else f'{dv:+.2f}'} |")
+        lines.append(
+            f"| {p.probe} | {p.knob} | {p.machine} | "
+            f"{', '.join(map(str, p.seeds))} | {p.steps} | "
+            f"{mean(p.recipe_test):.2f} -> {mean(p.arm_test):.2f} | "
+            f"**{p.change('test'):+.2f}** | {'' if dv is None else f'{dv:+.2f}'} | "
+            f"{record(p.section)} |"
+        )
     return "\n".join(lines)
 
 
@@ -89,17 +109,24 @@ def plot(probes: list[Probe], out: Path = PNG) -> Path:
 
     colors = {"Sapphire Rapids": "tab:blue", "AMD EPYC": "tab:orange", "H200": "tab:green"}
     fig, ax = plt.subplots(figsize=(11, 0.36 * len(probes) + 2.6))
-    ax.axvspan(min(RECIPE_SEEDS), max(RECIPE_SEEDS), color="0.92", zorder=0,
-               label="the recipe's seeds 1-3 (Sapphire Rapids)")
+    ax.axvspan(
+        min(RECIPE_SEEDS),
+        max(RECIPE_SEEDS),
+        color="0.92",
+        zorder=0,
+        label="the recipe's seeds 1-3 (Sapphire Rapids)",
+    )
     ax.axvline(TARGET, color="tab:red", lw=1.5, label=f"issue 3's target ({TARGET})")
-    ax.axvline(PUBLISHED, color="0.4", ls="--", lw=1,
-               label=f"Wu et al. 2021, the same model ({PUBLISHED})")
+    ax.axvline(
+        PUBLISHED, color="0.4", ls="--", lw=1, label=f"Wu et al. 2021, the same model ({PUBLISHED})"
+    )
     seen: set[str] = set()
     for y, p in enumerate(reversed(probes)):
         rt, at = mean(p.recipe_test), mean(p.arm_test)
         c = colors.get(p.machine, "k")
-        ax.annotate("", xy=(at, y), xytext=(rt, y),
-                    arrowprops={"arrowstyle": "->", "color": c, "lw": 1.2})
+        ax.annotate(
+            "", xy=(at, y), xytext=(rt, y), arrowprops={"arrowstyle": "->", "color": c, "lw": 1.2}
+        )
         ax.plot([rt], [y], "o", mfc="white", mec=c, ms=6)
         label = None if p.machine in seen else p.machine
         seen.add(p.machine)
@@ -109,14 +136,20 @@ def plot(probes: list[Probe], out: Path = PNG) -> Path:
         ax.text(TARGET + 0.15, y, f"{at - rt:+.2f}", va="center", fontsize=8, color=c)
     ax.plot([], [], "o", mfc="white", mec="0.3", label="(open circle: the paired recipe run)")
     ax.set_yticks(range(len(probes)))
-    ax.set_yticklabels([textwrap.shorten(p.probe, 60, placeholder=" ...")
-                        + (f" ({len(p.seeds)} seeds)" if len(p.seeds) > 1 else "")
-                        for p in reversed(probes)], fontsize=8)
+    ax.set_yticklabels(
+        [
+            textwrap.shorten(p.probe, 60, placeholder=" ...")
+            + (f" ({len(p.seeds)} seeds)" if len(p.seeds) > 1 else "")
+            for p in reversed(probes)
+        ],
+        fontsize=8,
+    )
     ax.set_xlim(right=TARGET + 0.55)
     ax.text(TARGET + 0.15, len(probes) - 0.4, "change", fontsize=8)
     ax.set_xlabel("test_2016_flickr tok-BLEU (lowercased, Moses-tokenized)")
-    ax.set_title("Multi30k En->De: changes to the recipe, each against its paired recipe run",
-                 fontsize=10)
+    ax.set_title(
+        "Multi30k En->De: changes to the recipe, each against its paired recipe run", fontsize=10
+    )
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.09), ncol=3)
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()

@@ -28,10 +28,25 @@ ROWS = {
     "B": {"B1": "CPU", "B2": "CPU", "B3": "CPU", "B4": "R", "B5": "CPU", "B6": "GPU"},
     # C6 and C7: an injected out-of-memory error on the CPU; C7's real one needs a GPU
     # (tests/test_cuda.py), as C6's would.
-    "C": {"C1": "CPU", "C2": "CPU", "C3": "CPU", "C4": "CPU", "C5": "GPU", "C6": "CPU",
-          "C7": "CPU"},
-    "D": {"D1": "CPU", "D2": "CPU", "D3": "CPU", "D4": "CPU", "D5": "CPU", "D6": "CPU",
-          "D7": "CPU", "D8": "GPU"},
+    "C": {
+        "C1": "CPU",
+        "C2": "CPU",
+        "C3": "CPU",
+        "C4": "CPU",
+        "C5": "GPU",
+        "C6": "CPU",
+        "C7": "CPU",
+    },
+    "D": {
+        "D1": "CPU",
+        "D2": "CPU",
+        "D3": "CPU",
+        "D4": "CPU",
+        "D5": "CPU",
+        "D6": "CPU",
+        "D7": "CPU",
+        "D8": "GPU",
+    },
     "E": {f"E{i}": "CPU" for i in range(1, 9)},
     "F": {f"F{i}": "CPU" for i in range(1, 15)},
     "G": {f"G{i}": "not built" for i in range(1, 7)},
@@ -46,8 +61,12 @@ def run_tests(slow: bool) -> list[dict]:
         report = f.name
     env = {**os.environ, "AIAYN_RELIABILITY_REPORT": report}
     marker = "rows" if slow else "rows and not slow"
-    subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", marker, "-p", "no:cacheprovider"],
-                   cwd=ROOT, env=env, check=False)
+    subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-m", marker, "-p", "no:cacheprovider"],
+        cwd=ROOT,
+        env=env,
+        check=False,
+    )
     records = [json.loads(x) for x in Path(report).read_text().splitlines() if x.strip()]
     os.unlink(report)
     return records
@@ -63,14 +82,29 @@ def summarize(records: list[dict]) -> dict:
         cpu = [r for r, tier in rows.items() if tier in ("CPU", "R")]
         tested = [r for r in cpu if by_row.get(r)]
         failed = [r for r in tested if any(t["outcome"] == "failed" for t in by_row[r])]
-        passed = [r for r in tested if r not in failed
-                  and any(t["outcome"] == "passed" for t in by_row[r])]
-        skipped = sorted({t["test"].split("::")[-1] for r in tested for t in by_row[r]
-                          if t["outcome"] == "skipped"})
-        groups[g] = {"rows": len(rows), "cpu_rows": len(cpu), "run": len(tested),
-                     "passed": len(passed), "failed": failed, "skipped_tests": skipped,
-                     "untested": [r for r in cpu if r not in tested],
-                     "not_cpu": [f"{r} ({t})" for r, t in rows.items() if t not in ("CPU", "R")]}
+        passed = [
+            r
+            for r in tested
+            if r not in failed and any(t["outcome"] == "passed" for t in by_row[r])
+        ]
+        skipped = sorted(
+            {
+                t["test"].split("::")[-1]
+                for r in tested
+                for t in by_row[r]
+                if t["outcome"] == "skipped"
+            }
+        )
+        groups[g] = {
+            "rows": len(rows),
+            "cpu_rows": len(cpu),
+            "run": len(tested),
+            "passed": len(passed),
+            "failed": failed,
+            "skipped_tests": skipped,
+            "untested": [r for r in cpu if r not in tested],
+            "not_cpu": [f"{r} ({t})" for r, t in rows.items() if t not in ("CPU", "R")],
+        }
     faults: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     lost: list[int] = []
     for r in records:
@@ -78,10 +112,14 @@ def summarize(records: list[dict]) -> dict:
             faults[kind][0] += n
             faults[kind][1] += n if r["outcome"] == "passed" else 0
         lost += r["properties"].get("steps_lost", [])
-    return {"groups": groups, "faults": dict(faults), "steps_lost": lost,
-            "tests": len(records),
-            "tests_passed": sum(r["outcome"] == "passed" for r in records),
-            "tests_skipped": sum(r["outcome"] == "skipped" for r in records)}
+    return {
+        "groups": groups,
+        "faults": dict(faults),
+        "steps_lost": lost,
+        "tests": len(records),
+        "tests_passed": sum(r["outcome"] == "passed" for r in records),
+        "tests_skipped": sum(r["outcome"] == "skipped" for r in records),
+    }
 
 
 def print_summary(s: dict) -> None:
@@ -97,17 +135,20 @@ def print_summary(s: dict) -> None:
             notes.append("no test: " + " ".join(x["untested"]))
         if x["not_cpu"]:
             notes.append("not on this tier: " + " ".join(x["not_cpu"]))
-        print(f"{g:<6}{x['rows']:>5}{x['cpu_rows']:>7}{x['run']:>5}{x['passed']:>8}  "
-              f"{'; '.join(notes)}")
-    print(f"\ntests: {s['tests']} run, {s['tests_passed']} passed, "
-          f"{s['tests_skipped']} skipped")
+        print(
+            f"{g:<6}{x['rows']:>5}{x['cpu_rows']:>7}{x['run']:>5}{x['passed']:>8}  "
+            f"{'; '.join(notes)}"
+        )
+    print(f"\ntests: {s['tests']} run, {s['tests_passed']} passed, {s['tests_skipped']} skipped")
     print("\nfaults injected / survived")
     for kind, (n, ok) in sorted(s["faults"].items()):
         print(f"  {kind:<40}{n:>4} / {ok}")
     lost = s["steps_lost"]
     if lost:
-        print(f"\nwork lost per recovery (steps redone): max {max(lost)}, "
-              f"mean {sum(lost) / len(lost):.2f} over {len(lost)} recoveries")
+        print(
+            f"\nwork lost per recovery (steps redone): max {max(lost)}, "
+            f"mean {sum(lost) / len(lost):.2f} over {len(lost)} recoveries"
+        )
 
 
 def main() -> int:

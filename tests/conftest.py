@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-MULTI30K = Path(__file__).resolve().parents[2] / "shared" / "data" / "multi30k"
+from helpers import MULTI30K
 
 
 @pytest.fixture
@@ -31,15 +31,14 @@ def small_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for a training loop to run tens of steps in a second."""
     if not MULTI30K.is_dir():
         pytest.skip("needs ../shared/data/multi30k")
-    from aiayn.data import prepare
+    from aiayn.data.prepare import prepare
     from aiayn.files import read_lines
 
     root = tmp_path_factory.mktemp("small")
     for lang in ("en", "de"):
         lines = list(islice(read_lines(MULTI30K / f"train.{lang}.gz"), 200))
         (root / f"train.{lang}").write_text("".join(f"{x}\n" for x in lines), encoding="utf-8")
-        (root / f"valid.{lang}").write_text("".join(f"{x}\n" for x in lines[:40]),
-                                            encoding="utf-8")
+        (root / f"valid.{lang}").write_text("".join(f"{x}\n" for x in lines[:40]), encoding="utf-8")
     prepare("en", "de", root / "train", root / "valid", None, root / "prep", vocab_size=200)
     return root / "prep"
 
@@ -67,8 +66,12 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
     if not path or marker is None:
         return
     if report.when == "call" or (report.when == "setup" and not report.passed):
-        record = {"test": item.nodeid, "rows": list(marker.args), "outcome": report.outcome,
-                  "seconds": round(report.duration, 2),
-                  "properties": {k: v for k, v in item.user_properties}}
+        record = {
+            "test": item.nodeid,
+            "rows": list(marker.args),
+            "outcome": report.outcome,
+            "seconds": round(report.duration, 2),
+            "properties": {k: v for k, v in item.user_properties},
+        }
         with open(path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record, default=str) + "\n")

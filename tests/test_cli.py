@@ -23,19 +23,43 @@ import torch
 from aiayn.cli import main
 from aiayn.config import get_preset
 from aiayn.model import parameter_formula
+from helpers import MULTI30K  # noqa: E402
 
-MULTI30K = Path(__file__).resolve().parents[2] / "shared" / "data" / "multi30k"
 needs_multi30k = pytest.mark.skipif(
     not (MULTI30K / "train.en.gz").is_file(),
-    reason=f"Multi30k not found at {MULTI30K} (see shared/data/README.md)")
+    reason=f"Multi30k not found at {MULTI30K} (see shared/data/README.md)",
+)
 
 N_TRAIN, N_VALID, N_TRANSLATE = 300, 50, 20
 EMPTY_AT = 5  # an empty input line here must give an empty output line here (F2)
 # A model small enough to take 40 steps in a few seconds; warmup short enough to learn.
-SMALL = ["--preset", "tiny", "--set", "N=1", "--set", "d_model=64", "--set", "d_ff=128",
-         "--set", "h=2", "--set", "d_k=32", "--set", "d_v=32", "--set", "warmup_steps=40",
-         "--set", "log_interval_steps=5", "--max-steps", "40", "--max-tokens", "1024",
-         "--save-interval-steps", "10", "--no-progress"]
+SMALL = [
+    "--preset",
+    "tiny",
+    "--set",
+    "N=1",
+    "--set",
+    "d_model=64",
+    "--set",
+    "d_ff=128",
+    "--set",
+    "h=2",
+    "--set",
+    "d_k=32",
+    "--set",
+    "d_v=32",
+    "--set",
+    "warmup_steps=40",
+    "--set",
+    "log_interval_steps=5",
+    "--max-steps",
+    "40",
+    "--max-tokens",
+    "1024",
+    "--save-interval-steps",
+    "10",
+    "--no-progress",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -94,15 +118,38 @@ def pipeline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pipeline]:
 
 def _run_pipeline(root: Path) -> Pipeline:
     raw = root / "raw"
-    ok("data", "multi30k", "--from", MULTI30K, "--out", raw, "--splits", "train,val",
-       "--langs", "en,de")
+    ok(
+        "data",
+        "multi30k",
+        "--from",
+        MULTI30K,
+        "--out",
+        raw,
+        "--splits",
+        "train,val",
+        "--langs",
+        "en,de",
+    )
     small = root / "small"
     small.mkdir()
     for lang in ("en", "de"):
         write_lines(small / f"train.{lang}", head(raw / f"train.{lang}.gz", 0, N_TRAIN))
         write_lines(small / f"valid.{lang}", head(raw / f"val.{lang}.gz", 0, N_VALID))
-    ok("prepare", "-s", "en", "-t", "de", "--trainpref", small / "train", "--validpref",
-       small / "valid", "--out", root / "prep", "--vocab-size", "600")
+    ok(
+        "prepare",
+        "-s",
+        "en",
+        "-t",
+        "de",
+        "--trainpref",
+        small / "train",
+        "--validpref",
+        small / "valid",
+        "--out",
+        root / "prep",
+        "--vocab-size",
+        "600",
+    )
     run_dir = root / "runs" / "small"
     ok("train", root / "prep", "--out", run_dir, *SMALL)
     averaged = run_dir / "averaged.pt"
@@ -117,11 +164,24 @@ def _run_pipeline(root: Path) -> Pipeline:
     output = (root / "hyp.de").read_text(encoding="utf-8").split("\n")
     nbest = []
     for name, lines in (("forward", source), ("reversed", source[::-1])):
-        ok("translate", "--checkpoint", averaged, "--input", write_lines(root / name, lines),
-           "--output", root / f"{name}.nbest", "--nbest", "2")
+        ok(
+            "translate",
+            "--checkpoint",
+            averaged,
+            "--input",
+            write_lines(root / name, lines),
+            "--output",
+            root / f"{name}.nbest",
+            "--nbest",
+            "2",
+        )
         rows = (root / f"{name}.nbest").read_text(encoding="utf-8").splitlines()
-        nbest.append([(int(i), text, float(score))
-                      for i, text, score in (row.split(" ||| ") for row in rows)])
+        nbest.append(
+            [
+                (int(i), text, float(score))
+                for i, text, score in (row.split(" ||| ") for row in rows)
+            ]
+        )
     ref = write_lines(root / "ref.de", reference)
     scores = json.loads(ok("evaluate", "--hyp", root / "hyp.de", "--ref", ref, "--json"))
     return Pipeline(root, run_dir, averaged, source, output, nbest, scores)
@@ -130,8 +190,10 @@ def _run_pipeline(root: Path) -> Pipeline:
 @needs_multi30k
 def test_training_loss_fell(pipeline: Pipeline) -> None:
     """Section 5: 40 Adam steps with the Eq. 3 schedule reduce the label-smoothed loss."""
-    log = [json.loads(line) for line in
-           (pipeline.run_dir / "train_log.jsonl").read_text(encoding="utf-8").splitlines()]
+    log = [
+        json.loads(line)
+        for line in (pipeline.run_dir / "train_log.jsonl").read_text(encoding="utf-8").splitlines()
+    ]
     losses = [r["loss"] for r in log if "loss" in r]
     assert [r["step"] for r in log if "loss" in r] == list(range(5, 41, 5))
     assert losses[-1] < losses[0] - 0.5, losses
@@ -171,8 +233,9 @@ def test_translation_order_survives_length_sorted_batching(pipeline: Pipeline) -
     forward, backward = pipeline.nbest
     # "i ||| text ||| score": 2 lines per input line, 1 for the blank one
     for rows, blank in ((forward, EMPTY_AT), (backward, N_TRANSLATE - 1 - EMPTY_AT)):
-        assert [i for i, _, _ in rows] == [i for i in range(N_TRANSLATE)
-                                           for _ in range(1 if i == blank else 2)]
+        assert [i for i, _, _ in rows] == [
+            i for i in range(N_TRANSLATE) for _ in range(1 if i == blank else 2)
+        ]
         assert [(t, s) for i, t, s in rows if i == blank] == [("", 0.0)]
 
     def best(rows: list[tuple[int, str, float]]) -> list[tuple[str, float]]:
@@ -194,11 +257,28 @@ def test_several_checkpoints_translate_as_an_ensemble(pipeline: Pipeline) -> Non
     of one model translate as it does; two different checkpoints give every line too."""
     src = pipeline.root / "source.en"
     twice, pair = pipeline.root / "twice.de", pipeline.root / "pair.de"
-    ok("translate", "--checkpoint", pipeline.averaged, pipeline.averaged, "--input", src,
-       "--output", twice)
+    ok(
+        "translate",
+        "--checkpoint",
+        pipeline.averaged,
+        pipeline.averaged,
+        "--input",
+        src,
+        "--output",
+        twice,
+    )
     assert twice.read_text(encoding="utf-8").split("\n") == pipeline.output
-    ok("translate", "--checkpoint", pipeline.averaged, "--checkpoint",
-       pipeline.run_dir / "checkpoint_20.pt", "--input", src, "--output", pair)
+    ok(
+        "translate",
+        "--checkpoint",
+        pipeline.averaged,
+        "--checkpoint",
+        pipeline.run_dir / "checkpoint_20.pt",
+        "--input",
+        src,
+        "--output",
+        pair,
+    )
     lines = pair.read_text(encoding="utf-8").split("\n")
     assert len(lines) == len(pipeline.output) and lines[EMPTY_AT] == ""
 
@@ -236,8 +316,16 @@ def assert_one_line_error(err: str, *fragments: str) -> None:
 @pytest.mark.rows("J1")
 def test_unknown_set_key_names_the_closest_key(tmp_path: Path) -> None:
     """RELIABILITY J1: an unknown key is an error naming the closest valid key; no work."""
-    code, _, err = run("train", tmp_path / "data", "--out", tmp_path / "run", "--preset",
-                       "tiny", "--set", "d_modle=64")
+    code, _, err = run(
+        "train",
+        tmp_path / "data",
+        "--out",
+        tmp_path / "run",
+        "--preset",
+        "tiny",
+        "--set",
+        "d_modle=64",
+    )
     assert code == 2
     assert_one_line_error(err, "'d_modle'", "'d_model'")
     assert not (tmp_path / "run").exists()
@@ -248,8 +336,19 @@ def test_prepare_with_mismatched_line_counts_names_both_files(tmp_path: Path) ->
     """RELIABILITY E1: sides of different lengths are refused, naming both files."""
     write_lines(tmp_path / "corpus.en", ["a house", "a dog", "a cat"])
     write_lines(tmp_path / "corpus.de", ["ein Haus", "ein Hund"])
-    code, _, err = run("prepare", "-s", "en", "-t", "de", "--trainpref", tmp_path / "corpus",
-                       "--out", tmp_path / "prep", "--vocab-size", "100")
+    code, _, err = run(
+        "prepare",
+        "-s",
+        "en",
+        "-t",
+        "de",
+        "--trainpref",
+        tmp_path / "corpus",
+        "--out",
+        tmp_path / "prep",
+        "--vocab-size",
+        "100",
+    )
     assert code == 1
     assert_one_line_error(err, "corpus.en has 3 lines", "corpus.de has 2")
     assert not (tmp_path / "prep").exists()
@@ -266,14 +365,20 @@ def test_evaluate_with_mismatched_line_counts_names_both_files(tmp_path: Path) -
 
 
 @pytest.mark.rows("F12", "J1")
-@pytest.mark.parametrize(("argv", "fragment"), [
-    (["translate", "--checkpoint", "{tmp}/missing.pt"], "missing.pt"),
-    (["data", "multi30k", "--from", "{tmp}", "--out", "{tmp}/out", "--splits", "trian"],
-     "'trian'"),
-    (["info", "--preset", "bse"], "'base'"),
-])
-def test_bad_arguments_exit_non_zero_with_one_line(tmp_path: Path, argv: list[str],
-                                                   fragment: str) -> None:
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["translate", "--checkpoint", "{tmp}/missing.pt"], "missing.pt"),
+        (
+            ["data", "multi30k", "--from", "{tmp}", "--out", "{tmp}/out", "--splits", "trian"],
+            "'trian'",
+        ),
+        (["info", "--preset", "bse"], "'base'"),
+    ],
+)
+def test_bad_arguments_exit_non_zero_with_one_line(
+    tmp_path: Path, argv: list[str], fragment: str
+) -> None:
     """RELIABILITY F12, J1: a missing file or an unknown name is one line, not a traceback."""
     code, _, err = run(*(a.format(tmp=tmp_path) for a in argv))
     assert code != 0
@@ -297,10 +402,21 @@ def test_dump_config_shows_file_then_flags(tmp_path: Path) -> None:
     """RELIABILITY J4: --dump-config prints the effective config: the preset, then the
     experiment file, then --set flags (which win); no training is done."""
     exp = tmp_path / "exp.toml"
-    exp.write_text('preset = "tiny"\n[model]\nP_drop = 0.3\n[train]\nmax_steps = 5\n'
-                   'warmup_steps = 77\n', encoding="utf-8")
-    out = ok("train", tmp_path, "--out", tmp_path / "run", "--config", exp,
-             "--set", "max_steps=9", "--dump-config")
+    exp.write_text(
+        'preset = "tiny"\n[model]\nP_drop = 0.3\n[train]\nmax_steps = 5\nwarmup_steps = 77\n',
+        encoding="utf-8",
+    )
+    out = ok(
+        "train",
+        tmp_path,
+        "--out",
+        tmp_path / "run",
+        "--config",
+        exp,
+        "--set",
+        "max_steps=9",
+        "--dump-config",
+    )
     cfg = json.loads(out)
     assert cfg["model"]["P_drop"] == 0.3 and cfg["train"]["warmup_steps"] == 77
     assert cfg["train"]["max_steps"] == 9  # the flag beats the file
@@ -318,9 +434,13 @@ def test_a_reader_that_goes_away_ends_the_command_quietly() -> None:
     read_end, write_end = os.pipe()
     os.close(read_end)  # the reader is gone before the first byte
     try:
-        proc = subprocess.run([sys.executable, "-m", "aiayn", "info", "--preset", "base",
-                               "--json"], stdout=write_end, stderr=subprocess.PIPE, text=True,
-                              timeout=120)
+        proc = subprocess.run(
+            [sys.executable, "-m", "aiayn", "info", "--preset", "base", "--json"],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
     finally:
         os.close(write_end)
     assert proc.returncode == 141, proc.stderr

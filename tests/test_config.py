@@ -40,8 +40,10 @@ def test_rows_change_only_what_table3_changes():
 @pytest.mark.rows("J4")
 def test_overrides_and_round_trip():
     """Overrides by section.key or bare key; the stored dict rebuilds the same config (J4)."""
-    cfg = apply_overrides(get_preset("tiny"), {"model.N": "2", "eps_ls": "0.2", "beam": 5,
-                                              "share_embeddings": "false"})
+    cfg = apply_overrides(
+        get_preset("tiny"),
+        {"model.N": "2", "eps_ls": "0.2", "beam": 5, "share_embeddings": "false"},
+    )
     assert cfg.model.N == 2 and cfg.train.eps_ls == 0.2 and cfg.decode.beam == 5
     assert cfg.model.share_embeddings is False
     assert Config.from_dict(cfg.to_dict()) == cfg
@@ -59,10 +61,16 @@ def test_unknown_key_names_the_closest():
 
 
 @pytest.mark.rows("J2")
-@pytest.mark.parametrize("key,value,match", [
-    ("P_drop", "1.5", "P_drop"), ("warmup_steps", "abc", "warmup_steps"),
-    ("beam", "0", "beam"), ("lr_scale", "-1", "lr_scale"), ("N", "2.5", "N"),
-])
+@pytest.mark.parametrize(
+    "key,value,match",
+    [
+        ("P_drop", "1.5", "P_drop"),
+        ("warmup_steps", "abc", "warmup_steps"),
+        ("beam", "0", "beam"),
+        ("lr_scale", "-1", "lr_scale"),
+        ("N", "2.5", "N"),
+    ],
+)
 def test_bad_values_name_the_key(key, value, match):
     """J2: bad type or range names the key and the constraint."""
     with pytest.raises(ConfigError, match=match):
@@ -75,8 +83,10 @@ def test_set_args_and_experiment_file(tmp_path):
     with pytest.raises(ConfigError):
         parse_set_args(["novalue"])
     p = tmp_path / "exp.toml"
-    p.write_text('preset = "tiny"\n[model]\nP_drop = 0.3\n[train]\nwarmup_steps = 2000\n'
-                 '[recipe]\npair = "en-de"\n')
+    p.write_text(
+        'preset = "tiny"\n[model]\nP_drop = 0.3\n[train]\nwarmup_steps = 2000\n'
+        '[recipe]\npair = "en-de"\n'
+    )
     cfg, extra = load_experiment(p)
     assert cfg.model.P_drop == 0.3 and cfg.train.warmup_steps == 2000
     assert cfg.model.N == PRESETS["tiny"].model.N and extra == {"recipe": {"pair": "en-de"}}

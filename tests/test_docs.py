@@ -1,16 +1,16 @@
-"""The probe table behind docs/m30k-en-de-probes.png against docs/results.md, which
-records each run: a number copied wrong into the CSV fails here."""
+"""The probe table behind docs/m30k-en-de-probes.png against docs/experiments/, whose
+dated files record each run (moved there verbatim from docs/results.md), and against the
+table pasted into docs/results.md: a number copied wrong into the CSV fails here."""
 
 from __future__ import annotations
 
 import importlib.util
 import re
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import ROOT  # noqa: E402
 
 
 def _plot_probes():
@@ -29,14 +29,26 @@ def _section(text: str, title: str) -> str:
     return m.group(1)
 
 
+def _experiment(title: str) -> str:
+    """The body of the one experiment file of docs/experiments/ whose `# ` heading starts
+    with title (up to the next heading, if any)."""
+    bodies = {}
+    for path in sorted((ROOT / "docs" / "experiments").glob("*.md")):
+        text = path.read_text(encoding="utf-8")
+        m = re.search(rf"^# {re.escape(title)}.*?$(.*?)(?=^#|\Z)", text, re.M | re.S)
+        if m:
+            bodies[path.name] = m.group(1)
+    assert len(bodies) == 1, f"{len(bodies)} files of docs/experiments/ have '# {title}...'"
+    return bodies.popitem()[1]
+
+
 def test_every_probe_score_is_the_one_its_section_records():
-    results = (ROOT / "docs" / "results.md").read_text(encoding="utf-8")
     probes = _plot_probes().read_probes()
     assert len(probes) >= 10
     for p in probes:
-        body = _section(results, p.section)
+        body = _experiment(p.section)
         for value in p.arm_test + p.arm_val + p.recipe_test + p.recipe_val:
-            # the value as results.md prints it, not as part of a longer number
+            # the value as the file prints it, not as part of a longer number
             assert re.search(rf"(?<![\d.]){value:.2f}(?!\d)", body), (p.probe, value, p.section)
         assert len(p.recipe_test) == len(p.arm_test) == len(p.seeds)
 
@@ -55,7 +67,9 @@ def test_markdown_table_gives_the_mean_change_per_probe(tmp_path):
     csv.write_text(
         "probe,knob,machine,seed,steps,recipe_val,arm_val,recipe_test,arm_test,section\n"
         "x,k,M,1,10,40.00,41.00,39.00,38.00,S\n"
-        "x,k,M,2,10,,,40.00,40.50,S\n", encoding="utf-8")
+        "x,k,M,2,10,,,40.00,40.50,S\n",
+        encoding="utf-8",
+    )
     (p,) = module.read_probes(csv)
     assert p.seeds == [1, 2]
     assert p.change("test") == pytest.approx((38.0 + 40.5) / 2 - (39.0 + 40.0) / 2)
@@ -66,7 +80,10 @@ def test_markdown_table_gives_the_mean_change_per_probe(tmp_path):
 
 def test_a_bad_number_names_the_file_and_line(tmp_path):
     csv = tmp_path / "p.csv"
-    csv.write_text("probe,knob,machine,seed,steps,recipe_val,arm_val,recipe_test,arm_test,"
-                   "section\nx,k,M,1,10,,,39.0,forty,S\n", encoding="utf-8")
+    csv.write_text(
+        "probe,knob,machine,seed,steps,recipe_val,arm_val,recipe_test,arm_test,"
+        "section\nx,k,M,1,10,,,39.0,forty,S\n",
+        encoding="utf-8",
+    )
     with pytest.raises(SystemExit, match=r"p\.csv:2:"):
         _plot_probes().read_probes(csv)

@@ -1,20 +1,21 @@
-"""aiayn: the Transformer of "Attention Is All You Need" (Vaswani et al., 2017) on PyTorch."""
+"""aiayn: the Transformer of "Attention Is All You Need" (Vaswani et al., 2017) on PyTorch.
 
-import os as _os
+The packages, in the order data flows through them (each imports only those above it):
+
+    config, files     settings and presets; checked file I/O
+    model             the architecture of section 3, and nothing else
+    scoring           BLEU (and the paper's conventions)
+    fast              speed paths behind one seam: `aiayn.fast.accelerate(model)`
+    data              download, tokenizer, prepare, batching (section 5.1)
+    checkpoints       the checkpoint file, run directories, averaging
+    decoding          beam search, ensembles, translating files (section 6.1)
+    training          the loop of section 5 and its guards
+    experiments       recipes, benchmarks, curves
+    deploy            exports to other engines
+    cli               the `aiayn` command
+
+Importing aiayn changes nothing global: process settings (allocator, oneDNN's kernel
+cache) are applied by the `aiayn` command's entry point.
+"""
 
 __version__ = "0.1.0"
-
-#: Kernels oneDNN keeps compiled (its default: 1,024); see below.
-ONEDNN_PRIMITIVE_CACHE_CAPACITY = 8192
-
-# On the CPU, PyTorch's bf16 matrix products are oneDNN primitives, each compiled (JIT) for
-# one shape and kept in a cache of 1,024. Length-bucketed training batches make ~4,400
-# distinct products an epoch (the Multi30k recipe: 2048-token batches, 178 batch shapes),
-# so with the default cache every step recompiled its kernels: 283 -> 186 ms a step with a
-# larger one (tiny model, bf16, real batches, from the second epoch on), for ~0.6 GiB more
-# memory. oneDNN reads the setting when it makes its first primitive, so it is set here, on
-# import, unless the user set it (ONEDNN_ or the older DNNL_ name); a process that ran a
-# bf16 product before importing aiayn keeps the default.
-if not any(k in _os.environ for k in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY",
-                                      "DNNL_PRIMITIVE_CACHE_CAPACITY")):
-    _os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = str(ONEDNN_PRIMITIVE_CACHE_CAPACITY)

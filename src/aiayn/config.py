@@ -21,6 +21,12 @@ else:  # Python 3.10 has no tomllib; tomli is the same parser (a dependency ther
 Positional = Literal["sinusoidal", "learned"]
 DType = Literal["fp32", "bf16"]
 
+#: oneDNN's kernel cache as the `aiayn` command sets it (`aiayn.cli.environment`; oneDNN's
+#: default is 1,024). On the CPU each bf16 matrix product of a new shape is a kernel compiled
+#: once and cached; length-bucketed training batches make several thousand shapes an epoch,
+#: so with the default cache every step would recompile its kernels.
+ONEDNN_PRIMITIVE_CACHE_CAPACITY = 8192
+
 #: Token ids of the shared vocabulary, the same in every run (sentencepiece is trained with them).
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 
@@ -59,8 +65,9 @@ class ModelConfig:
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"model.{name} must be in [0, 1), got {getattr(self, name)}")
         if self.positional not in ("sinusoidal", "learned"):
-            raise ConfigError(f"model.positional must be 'sinusoidal' or 'learned', got "
-                              f"{self.positional!r}")
+            raise ConfigError(
+                f"model.positional must be 'sinusoidal' or 'learned', got {self.positional!r}"
+            )
         if self.positional == "sinusoidal" and self.d_model % 2:
             raise ConfigError("model.d_model must be even for sinusoidal positions")
         if self.vocab_size < 0:
@@ -109,7 +116,7 @@ class TrainConfig:
     # steps 1.08-1.16x faster (AMD VM; docs/performance.md, "Padding left out"). On GPUs
     # the padded batch is kept.
     pack_padding: bool = True
-    # On the CPU, run parts of the training step in compiled C (aiayn.native): dropout
+    # On the CPU, run parts of the training step in compiled C (aiayn.fast.native): dropout
     # masks from a counter-based generator seeded from PyTorch's (p within 2^-16; other
     # masks, the same distribution) and the loss's pass over the logits (other rounding).
     # Base bf16 training steps 1.05-1.07x faster from the masks alone (AMD VM;
@@ -118,7 +125,7 @@ class TrainConfig:
     cpu_kernels: bool = True
     # R-Drop (Liang et al., 2021), beyond the paper: every batch passes twice (different
     # dropout masks) and rdrop_alpha x the two predictions' symmetric KL joins the loss
-    # (aiayn.loss.rdrop_loss). The recipe model's step costs 2.2x (AMD VM); 7,000 steps
+    # (aiayn.training.loss.rdrop_loss). The recipe model's step costs 2.2x (AMD VM); 7,000 steps
     # of it scored 2.2 test tok-BLEU below the recipe (docs/results.md, "R-Drop").
     # 0 = off, the paper's objective.
     rdrop_alpha: float = 0.0
@@ -154,8 +161,16 @@ class TrainConfig:
     def validate(self) -> None:
         if not 0.0 <= self.eps_ls < 1.0:
             raise ConfigError(f"train.eps_ls must be in [0, 1), got {self.eps_ls}")
-        for name in ("warmup_steps", "max_tokens", "update_freq", "max_steps", "keep_last",
-                     "valid_interval_steps", "log_interval_steps", "max_len"):
+        for name in (
+            "warmup_steps",
+            "max_tokens",
+            "update_freq",
+            "max_steps",
+            "keep_last",
+            "valid_interval_steps",
+            "log_interval_steps",
+            "max_len",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"train.{name} must be > 0, got {getattr(self, name)}")
         for name in ("lr_scale", "adam_eps"):
@@ -164,8 +179,14 @@ class TrainConfig:
         for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"train.{name} must be in [0, 1), got {getattr(self, name)}")
-        for name in ("max_minutes", "clip_norm", "save_interval_steps", "save_interval_minutes",
-                     "rdrop_alpha", "bidirectional_epochs"):
+        for name in (
+            "max_minutes",
+            "clip_norm",
+            "save_interval_steps",
+            "save_interval_minutes",
+            "rdrop_alpha",
+            "bidirectional_epochs",
+        ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
         for name in ("bpe_dropout", "word_dropout"):
@@ -176,16 +197,18 @@ class TrainConfig:
         if self.dtype not in ("fp32", "bf16"):
             raise ConfigError(f"train.dtype must be 'fp32' or 'bf16', got {self.dtype!r}")
         if self.divergence not in ("off", "rollback", "stop"):
-            raise ConfigError("train.divergence must be 'off', 'rollback' or 'stop', got "
-                              f"{self.divergence!r}")
+            raise ConfigError(
+                f"train.divergence must be 'off', 'rollback' or 'stop', got {self.divergence!r}"
+            )
         for name in ("divergence_window", "divergence_short"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"train.{name} must be > 0, got {getattr(self, name)}")
         if self.divergence_sigma <= 0:
             raise ConfigError(f"train.divergence_sigma must be > 0, got {self.divergence_sigma}")
         if not 0.0 < self.divergence_lr_factor <= 1.0:
-            raise ConfigError("train.divergence_lr_factor must be in (0, 1], got "
-                              f"{self.divergence_lr_factor}")
+            raise ConfigError(
+                f"train.divergence_lr_factor must be in (0, 1], got {self.divergence_lr_factor}"
+            )
         for name in ("patience", "max_rollbacks"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
@@ -244,8 +267,11 @@ class Config:
         return cls(**kwargs).validate()
 
 
-_SECTION_TYPES: dict[str, type] = {"model": ModelConfig, "train": TrainConfig,
-                                   "decode": DecodeConfig}
+_SECTION_TYPES: dict[str, type] = {
+    "model": ModelConfig,
+    "train": TrainConfig,
+    "decode": DecodeConfig,
+}
 
 _BASE = Config()
 
@@ -299,8 +325,10 @@ PRESETS: dict[str, Config] = {
 def get_preset(name: str) -> Config:
     """Return a preset by name; an unknown name is an error naming the closest one."""
     if name not in PRESETS:
-        raise ConfigError(f"unknown preset {name!r}{_did_you_mean(name, PRESETS)}; "
-                          f"choose from {', '.join(PRESETS)}")
+        raise ConfigError(
+            f"unknown preset {name!r}{_did_you_mean(name, PRESETS)}; "
+            f"choose from {', '.join(PRESETS)}"
+        )
     return PRESETS[name]
 
 
@@ -396,8 +424,10 @@ def load_experiment(path: str | Path) -> tuple[Config, dict[str, Any]]:
         elif isinstance(value, dict):
             extra[key] = value
         else:
-            raise ConfigError(f"{path}: unknown top-level key {key!r}"
-                              f"{_did_you_mean(key, [*_SECTION_TYPES, 'preset'])}")
+            raise ConfigError(
+                f"{path}: unknown top-level key {key!r}"
+                f"{_did_you_mean(key, [*_SECTION_TYPES, 'preset'])}"
+            )
     try:
         return apply_overrides(cfg, overrides), extra
     except ConfigError as e:

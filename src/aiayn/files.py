@@ -70,8 +70,10 @@ def read_lines(path: str | Path, *, on_bad_utf8: str = "error") -> Iterator[str]
             if on_bad_utf8 == "replace":
                 yield raw.decode("utf-8", errors="replace")
             else:
-                raise InputError(f"{path}:{lineno}: invalid UTF-8 at byte {e.start} of the line "
-                                 f"({raw[e.start:e.start + 4]!r})") from None
+                raise InputError(
+                    f"{path}:{lineno}: invalid UTF-8 at byte {e.start} of the line "
+                    f"({raw[e.start : e.start + 4]!r})"
+                ) from None
 
 
 def count_lines(path: str | Path) -> int:

@@ -1,0 +1,85 @@
+"""The `aiayn` command: each subcommand parses its arguments and calls one library function.
+
+`main` is the console script's entry point (and `python -m aiayn`'s). It sets the process
+settings (`aiayn.cli.environment`) before any torch work, parses the command line
+(`aiayn.cli.parser`), runs one `aiayn.cli.commands` function and turns known errors into
+one line on stderr and an exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import Callable
+
+from aiayn.cli.environment import (
+    MALLOC_ENV,
+    ONEDNN_PRIMITIVE_CACHE_CAPACITY,
+    apply_process_settings,
+)
+from aiayn.config import ConfigError
+
+__all__ = ["MALLOC_ENV", "ONEDNN_PRIMITIVE_CACHE_CAPACITY", "build_parser", "main"]
+
+log = logging.getLogger("aiayn")
+
+#: Error classes (module, name) that mean bad input, not a bug: one line, no traceback.
+KNOWN_ERRORS = (
+    ("aiayn.files", "InputError"),
+    ("aiayn.checkpoints.io", "CheckpointError"),
+    ("aiayn.training.trainer", "TrainingError"),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `aiayn` argument parser (see `aiayn.cli.parser`)."""
+    from aiayn.cli.parser import build_parser as build
+
+    return build()
+
+
+def _known_errors() -> tuple[type[BaseException], ...]:
+    errors: list[type[BaseException]] = [ConfigError]
+    for module, name in KNOWN_ERRORS:
+        with contextlib.suppress(ImportError, AttributeError):
+            errors.append(getattr(__import__(module, fromlist=[name]), name))
+    return tuple(errors)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run `aiayn ARGV` (default: sys.argv[1:]) and return its exit code.
+
+    Given no `argv` (the console script), heavy subcommands may re-execute the process
+    once with allocator settings; given one (in-process callers), never.
+    """
+    reexec = argv is None
+    if argv is None:
+        argv = sys.argv[1:]
+    apply_process_settings(argv, reexec=reexec)
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        code = func(args)
+        sys.stdout.flush()  # a reader that went away shows here, inside the handler below
+        return code
+    except BrokenPipeError:
+        # the reader went away (`aiayn evaluate ... | head`): stop quietly, as `cat` does;
+        # stdout goes to /dev/null so that the interpreter's final flush cannot fail too
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, the shell's code for a process its pipe's reader left
+    except ConfigError as e:
+        print(f"aiayn: error: {e}", file=sys.stderr)
+        return 2
+    except (*_known_errors(), ValueError) as e:  # type: ignore[misc]  # a tuple of types
+        # Library functions raise ValueError for bad input (line counts that differ in
+        # `evaluate`, an unknown split in `data`): one line, the traceback only with -v.
+        log.debug("traceback", exc_info=True)
+        print(f"aiayn {args.command}: error: {e}", file=sys.stderr)
+        return 1

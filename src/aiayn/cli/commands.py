@@ -1,0 +1,300 @@
+"""The subcommands: each takes the parsed arguments and calls one library function.
+
+Every import of another aiayn module (but `aiayn.config`) is inside the function that needs
+it, so that `aiayn --help` is quick and works whatever the rest of the package imports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from aiayn.config import Config, apply_overrides, get_preset, load_experiment, parse_set_args
+
+#: `train` and `info` flags that set a config key: (argparse dest, config key).
+CONFIG_FLAGS = (
+    ("max_steps", "train.max_steps"),
+    ("max_minutes", "train.max_minutes"),
+    ("save_interval_steps", "train.save_interval_steps"),
+    ("save_interval_minutes", "train.save_interval_minutes"),
+    ("keep_last", "train.keep_last"),
+    ("seed", "train.seed"),
+    ("max_tokens", "train.max_tokens"),
+    ("update_freq", "train.update_freq"),
+    ("dtype", "train.dtype"),
+    ("valid_interval_steps", "train.valid_interval_steps"),
+)
+
+
+def resolve_config(args: argparse.Namespace) -> Config:
+    """Preset or experiment file, then explicit flags, then --set (which come last)."""
+    if getattr(args, "config", None):
+        cfg, _ = load_experiment(args.config)
+    else:
+        cfg = get_preset(args.preset or "base")
+    overrides: dict[str, Any] = {}
+    for flag, key in CONFIG_FLAGS:
+        value = getattr(args, flag, None)
+        if value is not None:
+            overrides[key] = value
+    overrides.update(parse_set_args(getattr(args, "set", None) or []))
+    return apply_overrides(cfg, overrides)
+
+
+def _progress(total: int, disable: bool) -> tuple[Any, Any]:
+    """A training progress bar (loss, lr, tokens/s) and the Hooks that drive it."""
+    from tqdm import tqdm
+
+    from aiayn.training.trainer import Hooks
+
+    # Under torchrun only rank 0 draws a bar.
+    quiet = disable or os.environ.get("RANK", "0") != "0"
+    bar = tqdm(total=total, disable=quiet or None, unit="step", dynamic_ncols=True)
+
+    def on_step(step: int, s: dict[str, float]) -> None:
+        bar.n = step
+        bar.set_postfix(
+            loss=f"{s['loss']:.3f}",
+            lr=f"{s['lr']:.2e}",
+            tok_s=f"{s['tokens_per_s']:.0f}",
+            refresh=False,
+        )
+        bar.update(0)
+
+    def on_valid(step: int, m: dict[str, float]) -> None:
+        bar.write(f"step {step}: valid nll {m['valid_nll']:.4f} ppl {m['valid_ppl']:.2f}")
+
+    return bar, Hooks(on_step, on_valid)
+
+
+def cmd_data(args: argparse.Namespace) -> int:
+    """`aiayn data`: copy or download a corpus, verified."""
+    from aiayn.data.download import download_multi30k
+
+    kwargs: dict[str, Any] = {}
+    if args.splits:
+        kwargs["splits"] = args.splits.split(",")
+    if args.langs:
+        kwargs["langs"] = args.langs.split(",")
+    paths = download_multi30k(
+        Path(args.out), Path(args.from_dir) if args.from_dir else None, **kwargs
+    )
+    print(f"{len(paths)} files in {args.out}")
+    return 0
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    """`aiayn prepare`: learn the shared vocabulary and encode the splits."""
+    from aiayn.data.prepare import prepare
+
+    manifest = prepare(
+        args.source_lang,
+        args.target_lang,
+        Path(args.trainpref),
+        Path(args.validpref) if args.validpref else None,
+        Path(args.testpref) if args.testpref else None,
+        Path(args.out),
+        vocab_size=args.vocab_size,
+        max_len=args.max_len,
+        max_len_ratio=args.max_len_ratio,
+        on_empty=args.on_empty,
+        on_bad_utf8=args.on_bad_utf8,
+        lowercase=args.lowercase,
+    )
+    for split, info in manifest.get("splits", {}).items():
+        print(f"{split}: {info}")
+    print(f"prepared {args.out}")
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """`aiayn train`: train, or resume, one run directory."""
+    from aiayn.training.trainer import train
+
+    cfg = resolve_config(args)
+    if args.dump_config:
+        print(json.dumps(cfg.to_dict(), indent=2))
+        return 0
+    bar, hooks = _progress(cfg.train.max_steps, args.no_progress)
+    try:
+        result = train(
+            cfg,
+            args.data,
+            args.out,
+            device=args.device,
+            reset_optimizer=args.reset_optimizer,
+            reset_dataloader=args.reset_dataloader,
+            hooks=hooks,
+        )
+    finally:
+        bar.close()
+    if result.stopped_by == "already_done":
+        print(f"already at step {result.state.step} >= max_steps {cfg.train.max_steps}")
+        return 0
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for the job
+        print(
+            f"stopped ({result.stopped_by}) at step {result.state.step}; last checkpoint: "
+            f"{result.last_checkpoint}"
+        )
+    return {"SIGTERM": 143, "SIGINT": 130}.get(result.stopped_by, 0)
+
+
+def cmd_average(args: argparse.Namespace) -> int:
+    """`aiayn average`: average checkpoints into one."""
+    from aiayn.checkpoints import average_checkpoints, list_last, save_checkpoint_file
+
+    inputs = [Path(p) for p in args.inputs]
+    one_run = len(inputs) == 1 and inputs[0].is_dir()
+    paths = list_last(inputs[0], args.last, strict=False) if one_run else inputs
+    avg = average_checkpoints(paths, force=args.force)
+    save_checkpoint_file(Path(args.out), avg)
+    print(f"averaged {len(paths)} checkpoints ({', '.join(p.name for p in paths)}) -> {args.out}")
+    return 0
+
+
+def cmd_translate(args: argparse.Namespace) -> int:
+    """`aiayn translate`: decode a file or stdin; exit 3 if the input had invalid UTF-8."""
+    from tqdm import tqdm
+
+    from aiayn.checkpoints import load_ensemble
+    from aiayn.decoding.ensemble import as_decoder
+    from aiayn.decoding.translate import translate_file
+    from aiayn.fast.inference import cast_for_inference
+
+    models, tokenizer, cfg = load_ensemble([Path(p) for p in args.checkpoint], device=args.device)
+    model = as_decoder([cast_for_inference(m, args.dtype) for m in models])
+    overrides: dict[str, Any] = {}
+    for flag in ("beam", "alpha", "max_len_a", "max_len_b", "nbest", "max_tokens"):
+        if getattr(args, flag) is not None:
+            overrides[f"decode.{flag}"] = getattr(args, flag)
+    if args.greedy:
+        overrides["decode.beam"] = 1
+    cfg = apply_overrides(cfg, overrides)
+    # lines done, on stderr, only when it is a terminal (the JSON summary follows it)
+    bar = tqdm(unit=" lines", disable=args.no_progress or None, dynamic_ncols=True, file=sys.stderr)
+    try:
+        summary = translate_file(
+            model,
+            tokenizer,
+            args.input,
+            args.output,
+            cfg.decode,
+            device=args.device,
+            progress=bar.update,
+            workers=args.workers,
+        )
+    finally:
+        bar.close()
+    print(json.dumps(summary), file=sys.stderr)
+    return 3 if summary.get("bad_utf8") else 0
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    """`aiayn evaluate`: BLEU and chrF of a hypothesis file against a reference."""
+    from aiayn.scoring.bleu import score_files
+
+    scores = score_files(Path(args.hyp), Path(args.ref), args.lang, bootstrap=args.bootstrap)
+    print(json.dumps(scores.to_dict(), indent=2) if args.json else scores.format())
+    return 0
+
+
+def cmd_recipe(args: argparse.Namespace) -> int:
+    """`aiayn recipe`: an experiment file end to end, data to BLEU."""
+    from aiayn.experiments.recipe import format_results, load_recipe, run_recipe
+
+    overrides: dict[str, Any] = parse_set_args(args.set or [])
+    if args.max_minutes is not None:
+        overrides["train.max_minutes"] = args.max_minutes
+    if args.seed is not None:
+        overrides["train.seed"] = args.seed
+    cfg, _ = load_recipe(args.config, overrides)
+    bar, hooks = _progress(cfg.train.max_steps, args.no_progress)
+    try:
+        results = run_recipe(
+            args.config,
+            args.out,
+            data=args.data,
+            device=args.device,
+            overrides=overrides,
+            hooks=hooks,
+        )
+    finally:
+        bar.close()
+    print(format_results(results))
+    print(f"results: {Path(args.out) / 'results.json'}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """`aiayn bench`: one measurement per dtype, a line (or JSON object) each."""
+    from aiayn.experiments import bench
+
+    for dtype in args.dtype.split(","):
+        if args.what == "peak":
+            result = bench.bench_peak(dtype, args.device)
+        elif args.what == "train":
+            result = bench.bench_train(
+                args.preset,
+                dtype,
+                args.device,
+                steps=args.steps,
+                batch=args.batch_sentences or 291,
+                compile=args.compile,
+            )
+        else:
+            result = bench.bench_decode(
+                args.preset,
+                dtype,
+                args.device,
+                beam=args.beam,
+                alpha=args.alpha,
+                out_len=args.out_len,
+                sentences=args.sentences,
+                batch=args.batch_sentences or 64,
+                peak=True,
+                workers=args.workers,
+            )
+        if args.json:
+            print(json.dumps(result), flush=True)
+        else:
+            fields = (
+                f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()
+            )
+            print("  ".join(fields), flush=True)
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    """`aiayn info`: a configuration's hyperparameters and parameter count."""
+    from dataclasses import replace
+
+    import torch
+
+    from aiayn.model import Transformer, count_parameters, parameter_formula
+
+    cfg = resolve_config(args)
+    model_cfg = replace(cfg.model, vocab_size=args.vocab_size)
+    with torch.device("meta"):
+        n = count_parameters(Transformer(model_cfg))
+    info = {
+        "preset": args.config or args.preset or "base",
+        "vocab_size": args.vocab_size,
+        "parameters": n,
+        "parameters_formula": parameter_formula(model_cfg),
+        "config": replace(cfg, model=model_cfg).to_dict(),
+    }
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        m = model_cfg
+        print(
+            f"{info['preset']}: N={m.N} d_model={m.d_model} d_ff={m.d_ff} h={m.h} d_k={m.d_k} "
+            f"d_v={m.d_v} P_drop={m.P_drop} eps_ls={cfg.train.eps_ls} "
+            f"positional={m.positional}"
+        )
+        print(f"parameters: {n:,} ({n / 1e6:.1f}M) with a shared vocabulary of {args.vocab_size:,}")
+    return 0

@@ -1,0 +1,262 @@
+"""The parsers of the stages that use models, and the tools: translate, evaluate, recipe,
+bench, info."""
+
+from __future__ import annotations
+
+import argparse
+
+from aiayn.cli.formatting import BASE, add_config_args, command_parser, preset_help
+
+#: The paper's decoding settings (section 6.1), the presets' defaults.
+PAPER = BASE.decode
+
+
+def add_translate(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
+    p = command_parser(
+        sub,
+        "translate",
+        "translate a file or stdin with beam search",
+        """\
+One output line per input line, in input order; an empty line gives an empty line.
+Decoding options default to the (first) checkpoint's, which are the paper's unless its
+config changed them. A progress bar counts the lines on a terminal; a JSON summary goes
+to stderr; invalid UTF-8 in the input gives exit code 3.
+
+examples:
+  aiayn translate --checkpoint runs/tiny/averaged.pt \\
+      --input data/multi30k/test_2016_flickr.en.gz --output runs/tiny/test.de
+  echo "A man rides a bike." | aiayn translate --checkpoint runs/a.pt --greedy
+  aiayn translate --checkpoint a.pt b.pt --input test.en --dtype int8 \\
+      --workers 2""",
+    )
+    p.add_argument(
+        "--checkpoint",
+        required=True,
+        nargs="+",
+        action="extend",
+        metavar="FILE.pt",
+        help="a model; several (same vocabulary) decode as an ensemble: the "
+        "mean of their next-token probabilities, the first one's decoding "
+        "options",
+    )
+    p.add_argument("--input", metavar="FILE", help="source text, plain or gzip (default: stdin)")
+    p.add_argument("--output", metavar="FILE", help="translations (default: stdout)")
+    p.add_argument(
+        "--beam", type=int, help=f"beam size (default: the checkpoint's; paper: {PAPER.beam})"
+    )
+    p.add_argument(
+        "--alpha",
+        type=float,
+        help=f"length penalty ((5+|Y|)/6)^alpha (default: the checkpoint's; paper: {PAPER.alpha})",
+    )
+    p.add_argument("--greedy", action="store_true", help="greedy search: the same as --beam 1")
+    p.add_argument(
+        "--max-len-a",
+        type=float,
+        metavar="A",
+        help="output length at most A x input length + B tokens (default: the "
+        f"checkpoint's; paper: {PAPER.max_len_a:g})",
+    )
+    p.add_argument(
+        "--max-len-b",
+        type=int,
+        metavar="B",
+        help=f"see --max-len-a (default: the checkpoint's; paper: {PAPER.max_len_b})",
+    )
+    p.add_argument(
+        "--nbest",
+        type=int,
+        metavar="N",
+        help="the N best outputs of each line, as Moses-style 'i ||| text ||| score' "
+        "lines (default: the checkpoint's, 1: the best translation only)",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        metavar="TOKENS",
+        help=f"source tokens per batch (default: the checkpoint's; presets: {PAPER.max_tokens})",
+    )
+    p.add_argument(
+        "--dtype",
+        default="fp32",
+        choices=["fp32", "bf16", "int8"],
+        help="inference precision (bf16: weights and activations, on x86 CPUs "
+        "with weights packed for oneDNN once; int8: dynamic quantization, CPU)",
+    )
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ...")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="CPU: decode whole batches in this many forked processes of one "
+        "thread each, the same outputs (e.g. one per core: faster than one "
+        "process with all threads on small CPUs; see docs/performance.md)",
+    )
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar (drawn only when stderr is a terminal)",
+    )
+    return p
+
+
+def add_evaluate(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
+    p = command_parser(
+        sub,
+        "evaluate",
+        "score translations: BLEU, chrF and tokenized BLEU",
+        """\
+BLEU and chrF come with their sacreBLEU signatures; tok_bleu is Moses-tokenized and
+lowercased. Files with different line counts are refused.
+
+examples:
+  aiayn evaluate --hyp runs/tiny/test.de \\
+      --ref data/multi30k/test_2016_flickr.de.gz
+  aiayn evaluate --hyp out.de --ref ref.de --bootstrap 1000 --json""",
+    )
+    p.add_argument("--hyp", required=True, metavar="FILE", help="translations, one a line")
+    p.add_argument(
+        "--ref", required=True, metavar="FILE", help="references, one a line, plain or gzip"
+    )
+    p.add_argument(
+        "--lang",
+        help="target language (default: the reference's suffix, e.g. de from test.de.gz, else en)",
+    )
+    p.add_argument(
+        "--bootstrap",
+        type=int,
+        default=0,
+        metavar="N",
+        help="95%% confidence interval of BLEU from N resamples (sacreBLEU's fixed "
+        "seed, recorded in the signature); 0: none",
+    )
+    p.add_argument("--json", action="store_true", help="print the scores as JSON")
+    return p
+
+
+def add_recipe(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    p = command_parser(
+        sub,
+        "recipe",
+        "run an experiment file end to end: data to BLEU",
+        """\
+The stages: data -> prepare -> train -> average -> choose the length penalty on the
+validation set (the file's recipe.tune_alpha grid, as section 6.1) -> translate the test
+set -> evaluate. RUN ends with checkpoint_avg.pt, the test translation, curve.png and
+results.json (scores with signatures, data and vocabulary hashes, resolved config,
+versions, machine, wall times, FLOPs). Rerunning the same command resumes.
+
+examples:
+  aiayn recipe configs/multi30k-en-de.toml --out runs/en-de
+  aiayn recipe configs/multi30k-en-de.toml --out runs/smoke \\
+      --data ../shared/data/multi30k --max-minutes 2 \\
+      --set recipe.max_train_pairs=300""",
+    )
+    p.add_argument(
+        "config", metavar="FILE.toml", help="experiment file, e.g. configs/multi30k-en-de.toml"
+    )
+    p.add_argument("--out", required=True, metavar="RUN", help="run directory (rerun to resume)")
+    p.add_argument("--data", metavar="DIR", help="local copy of the corpus (default: download it)")
+    p.add_argument(
+        "--max-minutes",
+        type=float,
+        metavar="MINUTES",
+        help="training wall-clock budget in minutes; the run warns early if it will "
+        "end training before max_steps (default: the file's)",
+    )
+    p.add_argument("--seed", type=int, help="training seed (default: the file's)")
+    p.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="override a config key or a recipe.* key, e.g. "
+        "recipe.max_train_pairs=300 (a smoke run), recipe.lowercase=true, "
+        "recipe.ensemble=K (K models, seeds seed..seed+K-1); repeatable "
+        "(default: none)",
+    )
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ...")
+    p.add_argument("--no-progress", action="store_true", help="no training progress bar")
+    return p
+
+
+def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    p = command_parser(
+        sub,
+        "bench",
+        "measure training, decoding and matrix-product throughput",
+        """\
+One line (or JSON object) per measurement: train gives tokens/s, decode sentences/s with
+outputs forced to --out-len tokens, peak the device's matrix-product ceiling.
+
+examples:
+  aiayn bench train --preset base --dtype bf16 --json
+  aiayn bench decode --preset base --beam 4 --out-len 20 --dtype fp32,bf16,int8
+  aiayn bench peak --dtype fp32,bf16""",
+    )
+    p.add_argument("what", choices=["train", "decode", "peak"], help="what to measure")
+    p.add_argument("--preset", default="base", metavar="NAME", help=preset_help())
+    p.add_argument(
+        "--dtype",
+        default="bf16",
+        help="fp32, bf16 (decode and peak also int8); a comma-separated list runs each",
+    )
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ...")
+    p.add_argument("--steps", type=int, default=10, help="train: timed steps (median)")
+    p.add_argument("--beam", type=int, default=4, help="decode: beam size (1 = greedy)")
+    p.add_argument("--alpha", type=float, default=0.6, help="decode: length penalty")
+    p.add_argument(
+        "--out-len", type=int, default=20, metavar="TOKENS", help="decode: tokens per output"
+    )
+    p.add_argument("--sentences", type=int, default=500, help="decode: sentences")
+    p.add_argument(
+        "--batch-sentences",
+        type=int,
+        metavar="N",
+        help="sentences per batch (default: 291 for train, 64 for decode)",
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="train: the model's forward through torch.compile (compiling falls "
+        "in the warm-up, reported as warmup_seconds)",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="decode: batches in this many processes of one thread each (CPU)",
+    )
+    p.add_argument("--json", action="store_true", help="one JSON object per measurement")
+    return p
+
+
+def add_info(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    p = command_parser(
+        sub,
+        "info",
+        "print a configuration's hyperparameters and parameter count",
+        """\
+examples:
+  aiayn info --preset base --vocab-size 37000
+  aiayn info --config configs/multi30k-en-de.toml --vocab-size 8000 --json
+  aiayn info --preset big --set N=8""",
+    )
+    add_config_args(p)
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=37000,
+        help="shared vocabulary size the count assumes (the paper's WMT En-De)",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print as JSON, with the parameter formula and the full config",
+    )
+    return p

@@ -1,0 +1,292 @@
+"""The parsers of the stages that make a model: data, prepare, train, average."""
+
+from __future__ import annotations
+
+import argparse
+
+from aiayn.cli.formatting import add_config_args, command_parser, from_preset
+
+
+def add_data(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    p = command_parser(
+        sub,
+        "data",
+        "copy or download a corpus, each file checked by sha256",
+        """\
+examples:
+  aiayn data multi30k --out data/multi30k
+  aiayn data multi30k --from ../shared/data/multi30k --out data/multi30k
+  aiayn data multi30k --out data/multi30k --splits train,val,test_2016_flickr \\
+      --langs en,de""",
+    )
+    p.add_argument("dataset", choices=["multi30k"], help="the corpus: multi30k (task 1)")
+    p.add_argument(
+        "--out",
+        required=True,
+        metavar="DIR",
+        help="directory to write the files into (created)",
+    )
+    p.add_argument(
+        "--from",
+        dest="from_dir",
+        metavar="DIR",
+        help="copy from this local directory instead of downloading; files missing "
+        "there are skipped with a warning (default: download)",
+    )
+    p.add_argument(
+        "--splits",
+        help="comma-separated splits, e.g. train,val,test_2016_flickr (default: all published)",
+    )
+    p.add_argument(
+        "--langs",
+        help="comma-separated languages, e.g. en,de (default: all published for each split)",
+    )
+    return p
+
+
+def add_prepare(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
+    p = command_parser(
+        sub,
+        "prepare",
+        "learn a shared BPE vocabulary and encode the splits",
+        """\
+The vocabulary (sentencepiece BPE) is learned on the training text of both languages.
+Writes spm.model, train.pt, valid.pt, test.pt and manifest.json to --out. Sides with
+different line counts are refused before any work. Only training pairs are filtered.
+
+examples:
+  aiayn prepare -s en -t de --trainpref data/multi30k/train \\
+      --validpref data/multi30k/val --testpref data/multi30k/test_2016_flickr \\
+      --out data/multi30k-en-de --vocab-size 8000
+  aiayn prepare -s en -t de --trainpref corpus/train --out data/lc --lowercase""",
+    )
+    p.add_argument(
+        "--source-lang",
+        "-s",
+        required=True,
+        metavar="LANG",
+        help="source language: the LANG of PREFIX.LANG[.gz]",
+    )
+    p.add_argument(
+        "--target-lang",
+        "-t",
+        required=True,
+        metavar="LANG",
+        help="target language: the LANG of PREFIX.LANG[.gz]",
+    )
+    p.add_argument(
+        "--trainpref",
+        required=True,
+        metavar="PREFIX",
+        help="training text: PREFIX.LANG or PREFIX.LANG.gz for both languages, one "
+        "sentence a line; the vocabulary is learned on it",
+    )
+    p.add_argument(
+        "--validpref",
+        metavar="PREFIX",
+        help="validation text, same form (default: no validation split)",
+    )
+    p.add_argument(
+        "--testpref", metavar="PREFIX", help="test text, same form (default: no test split)"
+    )
+    p.add_argument("--out", required=True, metavar="DIR", help="directory to write into")
+    p.add_argument(
+        "--vocab-size", type=int, default=8000, help="subword pieces in the shared vocabulary"
+    )
+    p.add_argument(
+        "--max-len",
+        type=int,
+        default=256,
+        help="drop training pairs with a side longer than this many subwords",
+    )
+    p.add_argument(
+        "--max-len-ratio",
+        type=float,
+        default=9.0,
+        help="drop training pairs whose sides' lengths (subwords) differ by more than this ratio",
+    )
+    p.add_argument(
+        "--on-empty",
+        choices=["skip", "error"],
+        default="skip",
+        help="a pair with an empty or blank side: skip drops it, error fails",
+    )
+    p.add_argument(
+        "--on-bad-utf8",
+        choices=["error", "skip"],
+        default="error",
+        help="invalid UTF-8: error fails naming file, line and byte; skip drops the pair",
+    )
+    p.add_argument(
+        "--lowercase",
+        action="store_true",
+        help="a vocabulary that lowercases what it encodes (so a model trained on "
+        "it lowercases any input it translates)",
+    )
+    return p
+
+
+def add_train(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    p = command_parser(
+        sub,
+        "train",
+        "train a model, or resume its run directory",
+        """\
+The configuration is a preset or a --config file, then the flags, then each --set.
+
+Running the same command again resumes from the newest valid checkpoint (bitwise on
+CPU). A changed model is refused; changed optimizer or batching settings need
+--reset-optimizer or --reset-dataloader; budgets and intervals may change freely. SIGTERM
+or Ctrl-C saves a checkpoint and stops (exit 143 or 130). Several processes or GPUs:
+`torchrun --nproc-per-node=K -m aiayn train ...` (DistributedDataParallel; only rank 0
+writes). --dump-config lists every key --set can change; the README describes
+the ones beyond the paper (divergence, patience, rdrop_alpha, bpe_dropout ...).
+
+examples:
+  aiayn train data/multi30k-en-de --out runs/tiny --preset tiny \\
+      --max-minutes 10
+  aiayn train data/multi30k-en-de --out runs/p3 \\
+      --config configs/multi30k-en-de.toml --set P_drop=0.3 \\
+      --set train.dtype=fp32
+  torchrun --nproc-per-node=8 -m aiayn train data/wmt14 --out runs/base \\
+      --device cuda""",
+    )
+    p.add_argument("data", metavar="DATA", help="directory made by `aiayn prepare`")
+    p.add_argument(
+        "--out",
+        required=True,
+        metavar="RUN",
+        help="run directory: config.json, train_log.jsonl, checkpoint_<step>.pt "
+        "(each with a .sha256), checkpoint_last.pt; resumes if it has "
+        "checkpoints",
+    )
+    add_config_args(p)
+    p.add_argument(
+        "--max-steps",
+        type=int,
+        metavar="STEPS",
+        help="stop after this many optimizer updates " + from_preset("train.max_steps"),
+    )
+    p.add_argument(
+        "--max-minutes",
+        type=float,
+        metavar="MINUTES",
+        help="training wall-clock budget in minutes, counted across resumes; 0: none "
+        + from_preset("train.max_minutes"),
+    )
+    p.add_argument(
+        "--save-interval-steps",
+        type=int,
+        metavar="STEPS",
+        help="save a checkpoint every this many steps; 0: by time only "
+        + from_preset("train.save_interval_steps"),
+    )
+    p.add_argument(
+        "--save-interval-minutes",
+        type=float,
+        metavar="MINUTES",
+        help="save a checkpoint every this many minutes (the paper: 10) "
+        + from_preset("train.save_interval_minutes"),
+    )
+    p.add_argument(
+        "--valid-interval-steps",
+        type=int,
+        metavar="STEPS",
+        help="validation loss every this many steps " + from_preset("train.valid_interval_steps"),
+    )
+    p.add_argument(
+        "--keep-last",
+        type=int,
+        metavar="N",
+        help="numbered checkpoints kept, older ones deleted " + from_preset("train.keep_last"),
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        help="random seed: initialisation, batch order, dropout " + from_preset("train.seed"),
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        metavar="TOKENS",
+        help="batch size in subword tokens per side (source and target each), "
+        "before accumulation " + from_preset("train.max_tokens"),
+    )
+    p.add_argument(
+        "--update-freq",
+        type=int,
+        metavar="N",
+        help="gradient accumulation: batches per optimizer update (effective batch: "
+        "max-tokens x N x processes) " + from_preset("train.update_freq"),
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["fp32", "bf16"],
+        help="training precision; bf16 pays only on GPUs and CPUs that multiply "
+        "bf16 natively (AMX, AVX-512 BF16), elsewhere training says so at the "
+        "start: use fp32 " + from_preset("train.dtype"),
+    )
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu, cuda, cuda:1 ...; under torchrun with cuda, each rank takes cuda:LOCAL_RANK",
+    )
+    p.add_argument(
+        "--reset-optimizer",
+        action="store_true",
+        help="on resume: keep the weights, start a fresh optimizer and schedule "
+        "(allows changed optimizer settings)",
+    )
+    p.add_argument(
+        "--reset-dataloader",
+        action="store_true",
+        help="on resume with changed data or batching settings: start a new epoch",
+    )
+    p.add_argument(
+        "--dump-config",
+        action="store_true",
+        help="print the effective config as JSON and exit without training",
+    )
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar (step, loss, learning rate, tokens/s)",
+    )
+    return p
+
+
+def add_average(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
+    p = command_parser(
+        sub,
+        "average",
+        "average checkpoints into one (section 6.1)",
+        """\
+examples:
+  aiayn average runs/tiny --last 5 --out runs/tiny/averaged.pt
+  aiayn average runs/a/checkpoint_9000.pt runs/a/checkpoint_10000.pt \\
+      --out runs/a/avg.pt""",
+    )
+    p.add_argument(
+        "inputs",
+        nargs="+",
+        metavar="INPUT",
+        help="a run directory (its newest --last checkpoints), or checkpoint files",
+    )
+    p.add_argument(
+        "--last",
+        type=int,
+        default=5,
+        metavar="N",
+        help="with a run directory: how many of its newest checkpoints",
+    )
+    p.add_argument("--out", required=True, metavar="FILE.pt", help="the averaged checkpoint")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="allow averaging checkpoints of different runs (refused otherwise)",
+    )
+    return p

@@ -1,0 +1,296 @@
+"""Batching (section 5.1): "Sentence pairs were batched together by approximate sequence
+length. Each training batch contained a set of sentence pairs containing approximately
+25000 source tokens and 25000 target tokens."
+
+A batch's cost is its padded size, so the budget is ``n_sentences * longest <= max_tokens``
+on each side separately, counting the token each side gains: the source is x + [EOS]
+(fairseq and tensor2tensor both end the source with EOS), the decoder input is [BOS] + y
+and its output y + [EOS], both of length |y| + 1. Padding is PAD_ID on the right.
+
+Batch order is a function of (seed, epoch) only, drawn from a torch.Generator, so every
+process computes the same list and a resumed run replays the same epoch (RELIABILITY A3,
+D7).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
+
+import torch
+
+from aiayn.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+
+logger = logging.getLogger(__name__)
+
+
+class PairSource(Protocol):
+    """What `collate` needs from a corpus (data.Corpus has it)."""
+
+    def src(self, i: int) -> list[int]: ...
+
+    def tgt(self, i: int) -> list[int]: ...
+
+
+@dataclass
+class Batch:
+    """Padded tensors for one training step (batch-first).
+
+    Attributes:
+        src: (B, S) long, x + [EOS], right-padded with PAD_ID.
+        tgt_in: (B, T) long, [BOS] + y: the decoder input, shifted right (section 3.1).
+        tgt_out: (B, T) long, y + [EOS]: what each decoder position predicts.
+        ids: (B,) long, the corpus index of each row.
+    """
+
+    src: torch.Tensor
+    tgt_in: torch.Tensor
+    tgt_out: torch.Tensor
+    ids: torch.Tensor
+
+    @property
+    def src_tokens(self) -> int:
+        """Non-pad source tokens (EOS included)."""
+        return int((self.src != PAD_ID).sum())
+
+    @property
+    def tgt_tokens(self) -> int:
+        """Non-pad target tokens: the number of predictions the loss averages over."""
+        return int((self.tgt_out != PAD_ID).sum())
+
+    def drop_words(self, p: float) -> Batch:
+        """Word dropout (`train.word_dropout`): each source token but EOS and each decoder
+        input but BOS becomes <unk> with probability p, drawn from PyTorch's generator on
+        the batch's device; what the decoder predicts (tgt_out) is left as it is."""
+
+        def drop(x: torch.Tensor, keep: int) -> torch.Tensor:
+            hit = torch.rand(x.shape, device=x.device) < p
+            return torch.where(hit & (x != PAD_ID) & (x != keep), UNK_ID, x)
+
+        return Batch(drop(self.src, EOS_ID), drop(self.tgt_in, BOS_ID), self.tgt_out, self.ids)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+        """The batch on `device`; `non_blocking` overlaps the copy from pinned memory with
+        the GPU's work."""
+        return Batch(
+            *(
+                t.to(device, non_blocking=non_blocking)
+                for t in (self.src, self.tgt_in, self.tgt_out, self.ids)
+            )
+        )
+
+    def pin_memory(self) -> Batch:
+        """The batch in page-locked memory, from which a GPU copies asynchronously."""
+        return Batch(*(t.pin_memory() for t in (self.src, self.tgt_in, self.tgt_out, self.ids)))
+
+
+def pad_right(seqs: list[list[int]], pad_id: int = PAD_ID) -> torch.Tensor:
+    """Stack sequences into a (B, max_len) long tensor, padded on the right."""
+    width = max((len(s) for s in seqs), default=0)
+    # One tensor from padded lists: a copy per row costs ~50 ms a training step.
+    return torch.tensor([s + [pad_id] * (width - len(s)) for s in seqs], dtype=torch.long).view(
+        len(seqs), width
+    )
+
+
+def collate(corpus: PairSource, indices: list[int]) -> Batch:
+    """Build the padded batch of the given corpus pairs, in the given order."""
+    src = [corpus.src(i) + [EOS_ID] for i in indices]
+    tgt = [corpus.tgt(i) for i in indices]
+    return Batch(
+        src=pad_right(src),
+        tgt_in=pad_right([[BOS_ID, *y] for y in tgt]),
+        tgt_out=pad_right([[*y, EOS_ID] for y in tgt]),
+        ids=torch.tensor(indices, dtype=torch.long),
+    )
+
+
+def _greedy(
+    order: list[int], src_len: list[int], tgt_len: list[int], max_tokens: int
+) -> list[list[int]]:
+    """Cut a length-sorted order into batches within the token budget on both sides.
+
+    A pair that alone exceeds the budget becomes a batch by itself rather than being
+    dropped: losing data silently is worse than one large batch.
+    """
+    batches: list[list[int]] = []
+    current: list[int] = []
+    max_s = max_t = 0
+    for i in order:
+        s, t = max(max_s, src_len[i]), max(max_t, tgt_len[i])
+        n = len(current) + 1
+        if current and (n * s > max_tokens or n * t > max_tokens):
+            batches.append(current)
+            current, s, t = [], src_len[i], tgt_len[i]
+        current.append(i)
+        max_s, max_t = s, t
+    if current:
+        batches.append(current)
+    return batches
+
+
+def _shard(batches: list[list[int]], rank: int, world_size: int) -> list[list[int]]:
+    """Give each rank an equal number of batches: rank r takes batches r, r+W, r+2W, ...
+
+    Equal counts keep the ranks' collectives in step. We pad rather than drop (like
+    torch's DistributedSampler with drop_last=False): the first batches of the shuffled
+    epoch are repeated, so every pair is seen at least once and at most
+    `world_size - 1` batches are seen twice per epoch; the number is logged.
+    """
+    if world_size == 1:
+        return batches
+    extra = -len(batches) % world_size
+    if extra:
+        logger.info(
+            "padding %d batches with %d repeated ones so %d ranks get equal shares",
+            len(batches),
+            extra,
+            world_size,
+        )
+        batches = batches + [batches[i % len(batches)] for i in range(extra)]
+    return batches[rank::world_size]
+
+
+def token_batches(
+    src_lens: torch.Tensor,
+    tgt_lens: torch.Tensor,
+    max_tokens: int,
+    *,
+    seed: int,
+    epoch: int,
+    shuffle: bool = True,
+    rank: int = 0,
+    world_size: int = 1,
+) -> list[list[int]]:
+    """Length-bucketed batches of corpus indices for one epoch (section 5.1).
+
+    Pairs are sorted by (source length, target length); ties are broken by a permutation
+    seeded with seed + epoch, so batch contents vary between epochs without losing the
+    bucketing. The batch order is then shuffled with the same generator.
+
+    Args:
+        src_lens, tgt_lens: (n,) lengths in subwords without BOS/EOS (data.Corpus).
+        max_tokens: budget per batch and per side, padding included.
+        seed, epoch: the only inputs to randomness; equal on every rank.
+        shuffle: False gives sorted order with index tie-breaks (validation).
+        rank, world_size: this process's shard; see `_shard`.
+
+    Returns:
+        This rank's batches, each a list of corpus indices.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"need 0 <= rank < world_size, got rank {rank}, world {world_size}")
+    if src_lens.shape != tgt_lens.shape or src_lens.dim() != 1:
+        raise ValueError(
+            f"length shapes differ: {tuple(src_lens.shape)} vs {tuple(tgt_lens.shape)}"
+        )
+    n = src_lens.numel()
+    gen = torch.Generator().manual_seed(seed + epoch)
+    perm = torch.randperm(n, generator=gen) if shuffle else torch.arange(n)
+    # Stable sorts, least significant key first: by target, then by source length.
+    perm = perm[torch.sort(tgt_lens[perm], stable=True).indices]
+    perm = perm[torch.sort(src_lens[perm], stable=True).indices]
+    src_len = (src_lens + 1).tolist()  # + EOS
+    tgt_len = (tgt_lens + 1).tolist()  # + BOS (tgt_in) or + EOS (tgt_out)
+    batches = _greedy(perm.tolist(), src_len, tgt_len, max_tokens)
+    if shuffle:
+        batches = [batches[i] for i in torch.randperm(len(batches), generator=gen).tolist()]
+    return _shard(batches, rank, world_size)
+
+
+def decode_batches(lengths: list[int] | torch.Tensor, max_tokens: int) -> list[list[int]]:
+    """Batches of input indices for translation, longest first, within a source budget.
+
+    Sorting by length keeps padding low; longest first makes an out-of-memory error
+    happen at the start.
+
+    Args:
+        lengths: (n,) source lengths in subwords WITHOUT the EOS; one is added here.
+        max_tokens: bound on n_sentences x (longest + 1) per batch; a longer input is
+            a batch of its own.
+
+    Returns:
+        Lists of input indices; the caller restores input order from them.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    lens = [int(x) + 1 for x in lengths]  # + EOS
+    order = sorted(range(len(lens)), key=lambda i: (-lens[i], i))
+    batches: list[list[int]] = []
+    for i in order:
+        # Descending order: the batch's first (longest) item fixes its padded width.
+        if batches and (len(batches[-1]) + 1) * lens[batches[-1][0]] <= max_tokens:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+T = TypeVar("T")
+
+
+class Prefetch(Generic[T]):
+    """Draws the next items of an iterator on a background thread, `depth` ahead.
+
+    Why: on a GPU the training step waits for the GPU's result (the loss, the gradient
+    norm) before the next step's batch is built, and building one of the paper's
+    ~25,000-token batches takes ~10-20 ms of Python (`collate`), during which the GPU
+    idles. Here the next batches are built while the main thread waits on the GPU, whose
+    waits release the GIL. The items and their order are the iterator's own: only the
+    time they are made changes. Exceptions reach the consumer at the item that raised.
+    `close()` stops the thread (a rollback starts a new stream).
+    """
+
+    _END = object()
+
+    def __init__(self, items: Iterator[T], depth: int = 2) -> None:
+        self._items = items
+        self._queue: queue.Queue[tuple[object, BaseException | None]] = queue.Queue(depth)
+        self._stop = threading.Event()
+        self._done = False
+        self._thread = threading.Thread(target=self._run, name="aiayn-prefetch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for item in self._items:
+                if not self._put((item, None)):
+                    return
+            self._put((self._END, None))
+        except BaseException as e:  # handed to the consumer, raised there
+            self._put((self._END, e))
+
+    def _put(self, entry: tuple[object, BaseException | None]) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(entry, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def __iter__(self) -> Prefetch[T]:
+        return self
+
+    def __next__(self) -> T:
+        if self._done:
+            raise StopIteration
+        item, error = self._queue.get()
+        if error is not None:
+            self.close()
+            raise error
+        if item is self._END:
+            self.close()
+            raise StopIteration
+        return item  # type: ignore[return-value]
+
+    def close(self) -> None:
+        self._done = True
+        self._stop.set()
+        self._thread.join()

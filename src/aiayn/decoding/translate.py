@@ -1,0 +1,311 @@
+"""Translate text: subword-encode, batch by source tokens, beam search, restore order (6.1).
+
+Promises (RELIABILITY.md, group F):
+
+- F1: no input lines give no output lines (and `translate_file` logs a warning).
+- F2: an empty or whitespace-only line gives an empty output line and is not fed to the
+  model.
+- F3: one output per input line, in input order, although batches are sorted by length.
+- F4: an input longer than `max_input_len` subwords (or than the model's position table)
+  is truncated, with a warning naming its line number.
+- F6/F7: outputs do not depend on batch size or on the run (search is batch-invariant).
+- F8: characters the vocabulary never saw (emoji, other scripts) become <unk> (id 1) in
+  the source, as sentencepiece encodes them (its NFKC normalisation drops control
+  characters before that); the model translates the rest of the line; <unk> tokens and
+  the lines holding them are counted in the summary. The output never contains "<unk>"
+  text: decoding renders it as " ⁇ ".
+- F9: invalid UTF-8 is replaced by U+FFFD, counted and reported as a partial result.
+- F13: the output file is written atomically (temporary file, fsync, rename).
+
+The source fed to the model is the line's subword ids followed by EOS.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from aiayn.config import EOS_ID, PAD_ID, UNK_ID, DecodeConfig
+from aiayn.data.batching import decode_batches
+from aiayn.decoding.ensemble import Ensemble
+from aiayn.decoding.search import Hypothesis, beam_search, position_limit
+from aiayn.decoding.workers import check_workers, map_batches
+from aiayn.files import atomic_write, open_bytes
+from aiayn.model import Transformer
+
+logger = logging.getLogger(__name__)
+
+#: Individual warnings for truncated lines; later ones are only counted.
+MAX_LINE_WARNINGS = 10
+
+#: What translates: one model, or several as an ensemble (`aiayn.decoding.ensemble`).
+Decoder = Transformer | Ensemble
+
+
+class SubwordTokenizer(Protocol):
+    """Text <-> subword ids (aiayn.data.tokenizer.Tokenizer); `decode` removes the subword marks."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+@dataclass(frozen=True)
+class Translation:
+    """One output of one input line: detokenised text and its length-normalised score."""
+
+    text: str
+    score: float
+
+
+@dataclass
+class TranslateStats:
+    """Counts for the exit summary."""
+
+    lines: int = 0
+    empty: int = 0
+    truncated: int = 0
+    unk_tokens: int = 0  # source subwords that are <unk> (F8)
+    unk_lines: int = 0
+
+
+# ------------------------------------------------------------------------- preparing
+def encode_sources(
+    tokenizer: SubwordTokenizer, lines: Sequence[str], max_input_len: int, stats: TranslateStats
+) -> list[list[int] | None]:
+    """Subword ids + [EOS] per line; None for a blank line (it is not translated).
+
+    Lines longer than `max_input_len` subwords are cut to that length, with a warning
+    naming the (1-based) line number.
+    """
+    sources: list[list[int] | None] = []
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            stats.empty += 1
+            sources.append(None)
+            continue
+        ids = tokenizer.encode(line)
+        unk = sum(1 for i in ids if i == UNK_ID)
+        stats.unk_tokens += unk
+        stats.unk_lines += unk > 0
+        if len(ids) > max_input_len:
+            stats.truncated += 1
+            if stats.truncated <= MAX_LINE_WARNINGS:
+                logger.warning(
+                    "line %d: %d subwords, truncated to max_input_len=%d",
+                    lineno,
+                    len(ids),
+                    max_input_len,
+                )
+            ids = ids[:max_input_len]
+        sources.append([*ids, EOS_ID])
+    if stats.truncated > MAX_LINE_WARNINGS:
+        logger.warning(
+            "%d lines truncated to max_input_len=%d in all", stats.truncated, max_input_len
+        )
+    return sources
+
+
+def pad_batch(sequences: Sequence[list[int]], device: str | torch.device) -> Tensor:
+    """Right-pad id lists with PAD into (B, S)."""
+    longest = max(len(s) for s in sequences)
+    src = torch.full((len(sequences), longest), PAD_ID, dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        src[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+    return src.to(device)
+
+
+# ------------------------------------------------------------------------- translating
+def _input_limit(model: Decoder, cfg: DecodeConfig) -> int:
+    """Longest source in subwords: max_input_len, and room for EOS in the position table."""
+    limit = position_limit(model)
+    return cfg.max_input_len if limit is None else min(cfg.max_input_len, limit - 1)
+
+
+def _to_translations(tokenizer: SubwordTokenizer, hyps: list[Hypothesis]) -> list[Translation]:
+    # one output line per input line: a newline inside a decoded string would break that
+    return [
+        Translation(tokenizer.decode(h.tokens).replace("\n", " ").replace("\r", " "), h.score)
+        for h in hyps
+    ]
+
+
+def translate_nbest(
+    model: Decoder,
+    tokenizer: SubwordTokenizer,
+    lines: Sequence[str],
+    cfg: DecodeConfig,
+    device: str | torch.device = "cpu",
+    progress: Callable[[int], None] | None = None,
+    workers: int = 1,
+) -> tuple[list[list[Translation]], TranslateStats]:
+    """Translate lines with beam search; each line gets its `cfg.nbest` best outputs.
+
+    Args:
+        model: a `Transformer` on `device`, or an `Ensemble` of them; put in eval mode.
+        lines: input sentences; blank ones give [] and are not fed to the model.
+        cfg: beam, alpha, length cap, nbest, batch size (max_tokens), max_input_len.
+        progress: called with the number of lines finished after each batch.
+        workers: CPU only: decode the batches in this many forked processes of one
+            thread each (`aiayn.decoding.workers`), instead of one process with all threads.
+    Returns:
+        One list of Translation per input line, in input order, best first; and counts.
+    Raises:
+        ConfigError (a ValueError) naming an invalid option, before any work.
+    """
+    cfg.validate()
+    check_workers(workers, device)
+    stats = TranslateStats(lines=len(lines))
+    sources = encode_sources(tokenizer, lines, _input_limit(model, cfg), stats)
+    results: list[list[Translation]] = [[] for _ in lines]
+    kept = [i for i, s in enumerate(sources) if s is not None]  # blank lines skip the model
+    if progress is not None and stats.empty:
+        progress(stats.empty)
+    model.eval()
+    # decode_batches counts the EOS itself: pass the lengths without it.
+    batches = [
+        [kept[r] for r in rows]
+        for rows in decode_batches(
+            [len(sources[i]) - 1 for i in kept],  # type: ignore[arg-type]
+            cfg.max_tokens,
+        )
+    ]
+
+    def decode(b: int) -> list[list[Hypothesis]]:
+        src = pad_batch([sources[i] for i in batches[b]], device)  # type: ignore[misc]
+        return beam_search(model, src, cfg.beam, cfg.alpha, cfg.max_len_a, cfg.max_len_b, cfg.nbest)
+
+    def done(b: int, hyps: list[list[Hypothesis]]) -> None:
+        for i, sentence_hyps in zip(batches[b], hyps, strict=True):
+            results[i] = _to_translations(tokenizer, sentence_hyps)
+        if progress is not None:
+            progress(len(batches[b]))
+
+    map_batches(decode, len(batches), workers, done)
+    return results, stats
+
+
+def translate_lines(
+    model: Decoder,
+    tokenizer: SubwordTokenizer,
+    lines: Sequence[str],
+    cfg: DecodeConfig,
+    device: str | torch.device = "cpu",
+    progress: Callable[[int], None] | None = None,
+    workers: int = 1,
+) -> list[str]:
+    """The best translation of each line, in input order; "" for a blank line (F1-F3).
+
+    See `translate_nbest` for the arguments.
+    """
+    nbest, _ = translate_nbest(model, tokenizer, lines, cfg, device, progress, workers)
+    return [outputs[0].text if outputs else "" for outputs in nbest]
+
+
+# ------------------------------------------------------------------------- files
+def decode_lines(data: bytes, name: str) -> tuple[list[str], list[int]]:
+    """Split bytes into lines on b"\\n" only (like files.read_lines) and decode them.
+
+    Invalid UTF-8 is replaced by U+FFFD, with a warning naming the line (F9).
+    Returns:
+        The lines, and the 1-based numbers of the lines that had invalid UTF-8.
+    """
+    raw_lines = data.split(b"\n") if data else []
+    if raw_lines and raw_lines[-1] == b"":
+        raw_lines.pop()  # the final newline ends the last line, it does not start another
+    if raw_lines and raw_lines[0].startswith(b"\xef\xbb\xbf"):
+        raw_lines[0] = raw_lines[0][3:]  # a UTF-8 byte-order mark is not text
+    lines, bad = [], []
+    for lineno, raw in enumerate(raw_lines, start=1):
+        try:
+            lines.append(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            bad.append(lineno)
+            if len(bad) <= MAX_LINE_WARNINGS:
+                logger.warning(
+                    "%s:%d: invalid UTF-8 at byte %d, replaced by U+FFFD", name, lineno, e.start
+                )
+            lines.append(raw.decode("utf-8", errors="replace"))
+    return lines, bad
+
+
+def read_input(path: str | Path | None) -> tuple[list[str], list[int]]:
+    """Lines of a text file (plain or gzip), or of stdin when `path` is None; see decode_lines."""
+    if path is None:
+        return decode_lines(sys.stdin.buffer.read(), "<stdin>")
+    with open_bytes(path) as f:
+        return decode_lines(f.read(), str(path))
+
+
+def format_output(i: int, outputs: list[Translation], nbest: int) -> str:
+    """Output lines of input line i (0-based).
+
+    nbest == 1: the best translation. nbest > 1: Moses-style "i ||| text ||| score" lines
+    (score: length-normalised log-probability), so that the file can be realigned; a
+    blank input gives one line with empty text and score 0.
+    """
+    if nbest == 1:
+        return (outputs[0].text if outputs else "") + "\n"
+    outputs = outputs or [Translation("", 0.0)]
+    return "".join(f"{i} ||| {t.text} ||| {t.score:.6f}\n" for t in outputs)
+
+
+def translate_file(
+    model: Decoder,
+    tokenizer: SubwordTokenizer,
+    input_path: str | Path | None,
+    output_path: str | Path | None,
+    cfg: DecodeConfig,
+    device: str | torch.device = "cpu",
+    progress: Callable[[int], None] | None = None,
+    workers: int = 1,
+) -> dict[str, Any]:
+    """Translate a file (or stdin) into a file (atomically, F13) or stdout.
+
+    Returns:
+        Summary: lines, empty, truncated, unk_tokens and unk_lines (source subwords
+        that are <unk>, F8), bad_utf8 (line count), partial (True when some
+        input had to be repaired: the CLI exits non-zero, F9), seconds, sentences_per_s.
+    """
+    cfg.validate()
+    start = time.perf_counter()
+    lines, bad = read_input(input_path)
+    if not lines:
+        logger.warning(
+            "%s: empty input, writing no output lines",
+            input_path if input_path is not None else "<stdin>",
+        )
+    nbest, stats = translate_nbest(model, tokenizer, lines, cfg, device, progress, workers)
+    text = "".join(format_output(i, outputs, cfg.nbest) for i, outputs in enumerate(nbest))
+    if output_path is None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    else:
+        with atomic_write(output_path, "w") as f:
+            f.write(text)
+    seconds = time.perf_counter() - start
+    if stats.unk_tokens:
+        logger.info(
+            "%d source subwords in %d lines are <unk> (unseen characters)",
+            stats.unk_tokens,
+            stats.unk_lines,
+        )
+    return {
+        "lines": stats.lines,
+        "empty": stats.empty,
+        "truncated": stats.truncated,
+        "unk_tokens": stats.unk_tokens,
+        "unk_lines": stats.unk_lines,
+        "bad_utf8": len(bad),
+        "partial": bool(bad),
+        "seconds": seconds,
+        "sentences_per_s": (stats.lines - stats.empty) / seconds if seconds > 0 else 0.0,
+    }

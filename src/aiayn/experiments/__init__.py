@@ -1,0 +1,1 @@
+"""Experiments built from the stages: the one-command recipes, benchmarks and curves."""

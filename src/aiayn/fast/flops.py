@@ -1,0 +1,156 @@
+"""Floating-point work of the Transformer, counted from its shapes (for Table 2 style costs).
+
+Table 2 of the paper estimates training cost as time x GPUs x sustained FLOP/s; this module
+gives the other estimate, counted from the model: every matrix product of section 3 at
+2 FLOPs per multiply-add, with the backward pass counted as twice the forward (the usual
+convention of Kaplan et al. 2020). Element-wise work (softmax, LayerNorm, dropout) is
+left out, as it is in those conventions.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+
+import torch
+
+from aiayn.config import ModelConfig
+
+
+def forward_flops(
+    cfg: ModelConfig,
+    batch: int,
+    S: int,
+    T: int,
+    *,
+    src_tokens: int | None = None,
+    tgt_tokens: int | None = None,
+) -> float:
+    """FLOPs of one forward pass over a padded batch: B sources of S and B targets of T.
+
+    Args:
+        cfg: the architecture (vocab_size must be set for the output projection).
+        batch, S, T: batch size, source and target lengths (padding included).
+        src_tokens, tgt_tokens: the positions whose position-wise products (projections,
+            FFN, output layer) are counted: the real (non-pad) tokens, the model's work
+            (issue 5's convention; what the CPU computes when it trains with padding left
+            out, `aiayn.fast.packing.Packing`), or by default every padded position, B*S and B*T.
+            The attention products Q K^T and weights x V are counted over the padded
+            lengths, as they are computed.
+    """
+    D, F, h, d_k, d_v, V = cfg.d_model, cfg.d_ff, cfg.h, cfg.d_k, cfg.d_v, cfg.vocab_size
+    src_rows = batch * S if src_tokens is None else src_tokens
+    tgt_rows = batch * T if tgt_tokens is None else tgt_tokens
+    qkv = 2 * D * h * (2 * d_k + d_v)  # per token: Q, K, V projections
+    out = 2 * h * d_v * D  # W^O
+    ffn = 2 * 2 * D * F
+    memory_kv = 2 * D * h * (d_k + d_v)  # per source token and decoder layer
+    enc_token = qkv + out + ffn
+    dec_token = (
+        qkv
+        + out  # masked self-attention projections
+        + 2 * D * h * d_k
+        + out  # encoder-decoder attention: Q and W^O
+        + ffn
+    )
+    products = batch * (
+        S * 2 * S * h * (d_k + d_v)  # encoder: Q K^T and weights x V
+        + T * 2 * T * h * (d_k + d_v)  # decoder self-attention (all T x T)
+        + T * 2 * S * h * (d_k + d_v)
+    )  # decoder: the encoder's K and V
+    per_layer = src_rows * (enc_token + memory_kv) + tgt_rows * dec_token + products
+    return float(cfg.N * per_layer + tgt_rows * 2 * D * V)
+
+
+def training_flops(
+    cfg: ModelConfig,
+    batch: int,
+    S: int,
+    T: int,
+    *,
+    src_tokens: int | None = None,
+    tgt_tokens: int | None = None,
+) -> float:
+    """Forward + backward (twice the forward) FLOPs of one training batch."""
+    return 3.0 * forward_flops(cfg, batch, S, T, src_tokens=src_tokens, tgt_tokens=tgt_tokens)
+
+
+def peak_size(device: str | torch.device = "cpu") -> int:
+    """The product size that measures a device's ceiling: 2048 on a CPU, 8192 on a GPU
+    (a 2048 product is too small to keep an H100 busy)."""
+    return 8192 if torch.device(device).type == "cuda" else 2048
+
+
+def matmul_peak(
+    dtype: torch.dtype = torch.float32,
+    n: int | None = None,
+    repeats: int = 10,
+    device: str | torch.device = "cpu",
+) -> float:
+    """Measured matrix-product rate (FLOP/s) of an n x n x n product: the machine's ceiling.
+
+    The median of `repeats` timed products after two warm-up ones; n defaults to
+    `peak_size(device)`. dtype torch.int8: int8 x int8 -> int32 products by
+    `int8_ops.int8_matmul`, the one int8 decoding runs (`inference.Int8Linear`), in
+    operations/s.
+    """
+    n = n or peak_size(device)
+    if dtype == torch.int8:
+        from aiayn.fast.int8_ops import int8_matmul
+
+        a = torch.randint(-127, 128, (n, n), dtype=dtype, device=device)
+        b = torch.randint(-127, 128, (n, n), dtype=dtype, device=device)
+        product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = int8_matmul
+    else:
+        a = torch.randn(n, n, dtype=dtype, device=device)
+        b = torch.randn(n, n, dtype=dtype, device=device)
+        product = torch.mm
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    times = []
+    for i in range(repeats + 2):
+        sync()
+        t0 = time.perf_counter()
+        product(a, b)
+        sync()
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    times.sort()
+    return 2.0 * n**3 / times[len(times) // 2]
+
+
+#: bf16 counts as slow when its products run below this fraction of float32's (a margin for
+#: timing noise: where bf16 is emulated, the measured gap is 2x to ~50-180x, see below).
+SLOW_BF16_FRACTION = 0.8
+
+
+def slow_bf16_warning(device: str | torch.device = "cpu", n: int = 512) -> str | None:
+    """A warning when bf16 matrix products are slower than float32 on this CPU, else None.
+
+    bf16 autocast pays only where the CPU multiplies bf16 natively (AVX-512 BF16 or AMX;
+    the configs' `dtype = "bf16"` was sized on AMX, where it is ~6x float32). Elsewhere
+    it is emulated: measured on an AMD EPYC VM with oneDNN held to older instruction sets
+    (`ONEDNN_MAX_CPU_ISA`), 512-1024^3 products ran 2.4x slower than float32 with AVX-512
+    but no BF16 (Skylake, Cascade Lake), and ~50-180x slower with AVX2 only, where PyTorch
+    falls back to its generic kernel. Measuring (~20 ms here, 0.56 s held to AVX2) rather
+    than reading CPU flags also catches a PyTorch build without oneDNN.
+    """
+    if torch.device(device).type != "cpu":
+        return None
+    fp32, bf16 = cpu_matmul_rates(n)
+    if bf16 >= SLOW_BF16_FRACTION * fp32:
+        return None
+    return (
+        f"bf16 matrix products run at {bf16 / 1e9:.0f} GFLOP/s on this CPU and float32 at "
+        f"{fp32 / 1e9:.0f} ({fp32 / bf16:.1f}x faster): it has no native bf16 (AVX-512 "
+        "BF16 or AMX), so dtype bf16 is slower here; float32 is the faster choice "
+        "(e.g. --set train.dtype=fp32, or translate --dtype fp32)"
+    )
+
+
+@functools.cache
+def cpu_matmul_rates(n: int = 512) -> tuple[float, float]:
+    """(float32, bf16) n^3 product rates on the CPU (FLOP/s), measured once per process:
+    small enough to take under a second where bf16 is emulated (a 2048^3 bf16 product
+    took ~17 s with oneDNN held to AVX2)."""
+    return (matmul_peak(torch.float32, n=n, repeats=3), matmul_peak(torch.bfloat16, n=n, repeats=3))

@@ -1,0 +1,1 @@
+"""Scoring model outputs against references: BLEU for translation."""

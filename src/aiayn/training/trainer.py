@@ -1,0 +1,625 @@
+"""Training (section 5): Adam with the warmup schedule (Eq. 3) and the loop (the label-
+smoothed loss is in `aiayn.training.loss`).
+
+The loop is deterministic: batches come from (seed, epoch) alone and dropout is reseeded
+from (seed, step, rank) before every update, so a run resumed from a checkpoint repeats
+an uninterrupted one exactly (fairseq does the same).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import signal
+import time
+from collections.abc import Generator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from aiayn import checkpoints as ckpt_lib
+from aiayn.config import ONEDNN_PRIMITIVE_CACHE_CAPACITY, Config
+from aiayn.data.batching import Batch, Prefetch
+from aiayn.data.prepare import BPEDropout, Corpus, load_corpus, load_manifest
+from aiayn.data.tokenizer import Tokenizer
+from aiayn.fast import accelerate
+from aiayn.fast.flops import slow_bf16_warning, training_flops
+from aiayn.files import sha256_file, write_text_atomic
+from aiayn.model import Transformer, count_parameters
+from aiayn.training.distributed import init_from_env, shutdown
+from aiayn.training.epochs import batches_from
+from aiayn.training.faults import Faults
+from aiayn.training.guards import (
+    MAX_CONSECUTIVE_NONFINITE,
+    Pace,
+    StopSignal,
+    TrainerGuards,
+    is_oom,
+)
+from aiayn.training.loss import generator_loss, rdrop_loss
+from aiayn.training.resume import check_resume_compatible, reshard
+from aiayn.training.schedule import learning_rate, make_optimizer
+from aiayn.training.state import Hooks, StepHook, TrainingError, TrainResult, TrainState
+from aiayn.training.validation import autocast, validate
+
+__all__ = [
+    "Hooks",
+    "Trainer",
+    "TrainingError",
+    "TrainResult",
+    "TrainState",
+    "learning_rate",
+    "make_optimizer",
+    "train",
+    "validate",
+]
+
+log = logging.getLogger(__name__)
+#: (epoch, position in the epoch, batch), forever: a generator, or `Prefetch` on one on GPUs
+BatchStream = Generator[tuple[int, int, Batch], None, None] | Prefetch[tuple[int, int, Batch]]
+
+
+def _seed_step(seed: int, step: int, rank: int = 0, world_size: int = 1) -> None:
+    # Dropout masks depend only on (seed, step, rank): resumed runs repeat exactly.
+    torch.manual_seed(seed * 1_000_003 + step * world_size + rank)
+
+
+class Trainer(TrainerGuards):
+    """One training run in one directory: builds or resumes everything, then `run()`s."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        data_dir: str | Path,
+        run_dir: str | Path,
+        *,
+        device: str = "cpu",
+        reset_optimizer: bool = False,
+        reset_dataloader: bool = False,
+        hooks: Hooks | None = None,
+    ) -> None:
+        self.data_dir, self.run_dir = Path(data_dir), Path(run_dir)
+        self.dist, device = init_from_env(device)
+        self.device = torch.device(device)
+        self.hooks = hooks or Hooks()
+        self.manifest = load_manifest(self.data_dir)
+        self.tokenizer = Tokenizer.load(self.data_dir / "spm.model")
+        from dataclasses import replace
+
+        self.cfg = replace(cfg, model=replace(cfg.model, vocab_size=self.tokenizer.vocab_size))
+        self.cfg.validate()
+        self.train_data = load_corpus(self.data_dir, "train")
+        t = self.cfg.train
+        self._bpe_dropout = (
+            BPEDropout(self.train_data, self.tokenizer, t.bpe_dropout, t.max_len)
+            if t.bpe_dropout > 0
+            else None
+        )
+        self._both_directions: Corpus | None = None
+        valid_path = self.data_dir / "valid.pt"
+        self.valid_data = load_corpus(self.data_dir, "valid") if valid_path.exists() else None
+        self.data_sha256 = sha256_file(self.data_dir / "train.pt")
+        # Rank 0 owns the directory: it takes the lock before touching anything in it
+        # (resuming removes stale temp files, which must never be another trainer's).
+        self._lock: ckpt_lib.RunLock | None = None
+        if self.dist.is_main:
+            ckpt_lib.check_run_dir(self.run_dir)
+            self._lock = ckpt_lib.RunLock(self.run_dir).__enter__()
+        self.dist.barrier()
+        torch.manual_seed(self.cfg.train.seed)  # the same initial weights for a given seed
+        # the paper's model with the speed paths plugged in (`aiayn.fast`)
+        self.model = accelerate(
+            Transformer(self.cfg.model).to(self.device),
+            pack_padding=self.cfg.train.pack_padding,
+            cpu_kernels=self.cfg.train.cpu_kernels,
+        )
+        if self.cfg.train.compile:
+            # in place: parameters and state_dict keys stay those of the plain model
+            self.model.compile(dynamic=True)
+        # Under torchrun the forward pass goes through DDP, which averages the gradients;
+        # checkpoints hold the plain model, so they do not depend on the world size.
+        self.net: nn.Module = self.model
+        if self.dist.active:
+            from torch.nn.parallel import DistributedDataParallel
+
+            self.net = DistributedDataParallel(
+                self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None
+            )
+        self.optimizer = make_optimizer(self.model, self.cfg.train)
+        self.state = TrainState(world_size=self.dist.world_size)
+        self.resumed_from: Path | None = None
+        #: callbacks inside each step: fault injection when AIAYN_FAULTS is set
+        self.step_hook: StepHook = Faults.from_env(self.dist.rank)
+        self.step_hook.install(self.model)
+        #: build batches ahead on a thread (`_batch_stream`): on GPUs; on the CPU the
+        #: thread would compete with the step's own threads for the cores
+        self.prefetch = self.device.type == "cuda"
+        self._oom_batches: set[tuple[int, int]] = set()
+        self._last_batches: list[Batch] = []
+        self._resume(reset_optimizer, reset_dataloader)
+
+    def close(self) -> None:
+        """Release the run directory (run() does this when it ends)."""
+        if self._lock is not None:
+            self._lock.__exit__(None, None, None)
+            self._lock = None
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+    def _resume(self, reset_optimizer: bool, reset_dataloader: bool) -> None:
+        found = ckpt_lib.latest_valid_checkpoint(self.run_dir, clean=self.dist.is_main)
+        if found is None:
+            return
+        path, saved = found
+        check_resume_compatible(
+            saved, self.cfg, reset_optimizer=reset_optimizer, reset_dataloader=reset_dataloader
+        )
+        if saved.get("vocab_sha256") != self.tokenizer.sha256:
+            raise TrainingError(
+                f"cannot resume from {path}: its vocabulary differs from "
+                f"{self.data_dir / 'spm.model'}"
+            )
+        if saved.get("data_sha256") != self.data_sha256 and not reset_dataloader:
+            raise TrainingError(
+                f"cannot resume from {path}: the training data "
+                f"{self.data_dir / 'train.pt'} changed since it was written "
+                "(pass --reset-dataloader to start a new epoch on the new data)"
+            )
+        self.model.load_state_dict(saved["model"])
+        if not reset_optimizer:
+            self.optimizer.load_state_dict(saved["optimizer"])
+        self.state = TrainState(**saved["train_state"])
+        if reset_dataloader:
+            self.state.epoch, self.state.batch_in_epoch = self.state.epoch + 1, 0
+        reshard(self.state, self.dist.world_size)
+        self.resumed_from = path
+        log.info(
+            "resumed from %s: step %d, epoch %d, batch %d of the epoch, lr %.3g, best "
+            "valid nll %.4f, %d validations without improvement, %d non-finite and %d "
+            "out-of-memory updates skipped",
+            path,
+            self.state.step,
+            self.state.epoch,
+            self.state.batch_in_epoch,
+            self.lr(self.state.step + 1),
+            self.state.best_valid_nll,
+            self.state.valid_without_improvement,
+            self.state.nonfinite_skipped,
+            self.state.oom_skipped,
+        )
+
+    def lr(self, step: int) -> float:
+        """Eq. 3 times lr_scale, times the factor left by divergence rollbacks."""
+        t = self.cfg.train
+        return self.state.lr_factor * learning_rate(
+            step, self.cfg.model.d_model, t.warmup_steps, t.lr_scale
+        )
+
+    def _batch_stream(self) -> BatchStream:
+        """(epoch, position, batch) from the saved position on, forever; on a GPU built
+        ahead on a thread and pinned, so that the GPU does not wait for the next batch
+        (`batching.Prefetch`). Close it when done."""
+        if not self.prefetch:
+            return self._batches()
+        pin = self.device.type == "cuda"
+        return Prefetch((e, i, b.pin_memory() if pin else b) for e, i, b in self._batches())
+
+    def _batches(self) -> Generator[tuple[int, int, Batch], None, None]:
+        epoch, start = self.state.epoch, self.state.batch_in_epoch
+        while True:
+            for i, batch in batches_from(
+                self._epoch_data(epoch), self.cfg.train, epoch, start, self.dist
+            ):
+                yield epoch, i + 1, batch
+            epoch, start = epoch + 1, 0
+
+    def _epoch_data(self, epoch: int) -> Corpus:
+        """The training pairs of `epoch`: the prepared ones, or a BPE-dropout draw that
+        depends on (seed, epoch) only, so that a resumed run sees the same epochs; in
+        both directions for the first `train.bidirectional_epochs` epochs."""
+        t = self.cfg.train
+        corpus = (
+            self.train_data
+            if self._bpe_dropout is None
+            else self._bpe_dropout.epoch(t.seed * 1_000_003 + epoch)
+        )
+        if epoch >= t.bidirectional_epochs:
+            return corpus
+        if self._bpe_dropout is not None:  # a new draw each epoch
+            return corpus.both_directions()
+        if self._both_directions is None:  # the prepared pairs: built once
+            self._both_directions = corpus.both_directions()
+        return self._both_directions
+
+    def checkpoint_dict(self) -> dict[str, Any]:
+        tok = self.tokenizer.to_bytes()
+        return {
+            "format": "aiayn-checkpoint-1",
+            "config": self.cfg.to_dict(),
+            "vocab_sha256": self.tokenizer.sha256,
+            "tokenizer": torch.frombuffer(bytearray(tok), dtype=torch.uint8),
+            "data_sha256": self.data_sha256,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "step": self.state.step,
+            "epoch": self.state.epoch,
+            "train_state": self.state.to_dict(),
+            "rng": {"torch": torch.get_rng_state()},
+        }
+
+    def save(self) -> Path | None:
+        """Rank 0 writes; every rank first checks that all hold the same weights (a rank
+        that fell out of step must never go unnoticed) and waits for the write to end."""
+        if self.dist.active and not self.dist.same_on_all(self._checksum(), self.device):
+            raise TrainingError(
+                f"ranks hold different weights at step {self.state.step}: "
+                "a rank fell out of step; stopping without saving"
+            )
+        path = None
+        if self.dist.is_main:
+            path = ckpt_lib.save_checkpoint(
+                self.run_dir, self.checkpoint_dict(), self.cfg.train.keep_last
+            )
+        self.dist.barrier()
+        return path
+
+    def _checksum(self) -> float:
+        return float(
+            sum(
+                p.detach().double().abs().sum() + p.detach().double().sum()
+                for p in self.model.parameters()
+            )
+        )
+
+    def _update(self, stream: BatchStream) -> dict[str, float]:
+        """One optimizer step over `update_freq` batches; a non-finite one is skipped."""
+        t = self.cfg.train
+        step = self.state.step + 1
+        self.step_hook.begin_attempt(step)
+        _seed_step(t.seed, step, self.dist.rank, self.dist.world_size)
+        loss_sum, nll_sum, flops = 0.0, 0.0, 0.0
+        src_tok: float = 0  # summed over ranks as a float
+        batches = [next(stream) for _ in range(t.update_freq)]
+        self._last_batches = [b for _, _, b in batches]
+        if self.hooks.on_batch:
+            for epoch, pos, b in batches:
+                self.hooks.on_batch(step, epoch, pos, b.ids)
+        # The loss is a mean over the update's target tokens (on all ranks): scaling each
+        # batch's sum by the total before backward saves a pass over the gradients. DDP
+        # averages over ranks, hence the factor world_size.
+        (tgt_tok,) = self.dist.all_sum([sum(b.tgt_tokens for _, _, b in batches)], self.device)
+        scale = self.dist.world_size / max(tgt_tok, 1)
+        for i, (epoch, pos, batch) in enumerate(batches):
+            batch = batch.to(self.device, non_blocking=self.device.type == "cuda")
+            if t.word_dropout > 0:
+                batch = batch.drop_words(t.word_dropout)
+            last = i == len(batches) - 1
+            sync = contextlib.nullcontext() if last or not self.dist.active else self.net.no_sync()  # type: ignore[operator]
+            try:
+                with sync:
+                    self.step_hook.before_forward()
+                    loss, nll = self._loss(self.net, batch)
+                    loss = self.step_hook.on_loss(loss)
+                    (loss * scale).backward()
+            except (torch.OutOfMemoryError, RuntimeError) as e:
+                if not is_oom(e):
+                    raise
+                loss = nll = None  # type: ignore[assignment]  # free what they held
+                return self._skip_oom(e, batches, i)
+            loss_sum += float(loss.detach())
+            nll_sum += float(nll)  # type: ignore[arg-type]  # None only on the OOM path
+            src_tok += batch.src_tokens
+            flops += training_flops(  # the model's work: the real tokens (model.Packing)
+                self.cfg.model,
+                batch.src.size(0),
+                batch.src.size(1),
+                batch.tgt_in.size(1),
+                src_tokens=batch.src_tokens,
+                tgt_tokens=batch.tgt_tokens,
+            ) * (2 if t.rdrop_alpha > 0 else 1)
+            self.state.epoch, self.state.batch_in_epoch = epoch, pos
+        if self.dist.active:  # every rank reports, and decides on, the same totals
+            loss_sum, nll_sum, src_tok, flops = self.dist.all_sum(
+                [loss_sum, nll_sum, src_tok, flops], self.device
+            )
+        tgt_tok, src_tok = int(tgt_tok), int(src_tok)
+        gnorm = float(
+            torch.nn.utils.clip_grad_norm_(
+                self.model.parameters(), t.clip_norm if t.clip_norm > 0 else math.inf
+            )
+        )
+        stats = {
+            "loss": loss_sum / max(tgt_tok, 1),
+            "nll": nll_sum / max(tgt_tok, 1),
+            "lr": self.lr(step),
+            "gnorm": gnorm,
+            "src_tokens": src_tok,
+            "tgt_tokens": tgt_tok,
+        }
+        if not (math.isfinite(loss_sum) and math.isfinite(gnorm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            self.state.nonfinite_skipped += 1
+            stats["skipped"] = 1.0
+            return stats
+        for group in self.optimizer.param_groups:
+            group["lr"] = stats["lr"] * self.step_hook.lr_factor(step)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step_hook.after_update(step, self.model)
+        self.state.step = step
+        self.state.tokens_seen += src_tok + tgt_tok
+        self.state.flops += flops
+        return stats
+
+    def _loss(self, net: nn.Module, batch: Batch) -> tuple[Tensor, Tensor]:
+        """The batch's summed training loss and NLL, through `net` (DDP or the model)."""
+        t = self.cfg.train
+        with autocast(self.device, t.dtype):
+            if t.rdrop_alpha > 0:  # both passes in one batch: two masks
+                features = net(
+                    batch.src.repeat(2, 1), batch.tgt_in.repeat(2, 1), features_only=True
+                )
+                return rdrop_loss(
+                    features,
+                    self.model.generator.weight,
+                    batch.tgt_out.repeat(2, 1),
+                    t.eps_ls,
+                    t.rdrop_alpha,
+                )
+            features = net(batch.src, batch.tgt_in, features_only=True)
+            return generator_loss(
+                features,
+                self.model.generator.weight,
+                batch.tgt_out,
+                t.eps_ls,
+                cpu_kernels=t.cpu_kernels,
+            )
+
+    def _log(self, record: dict[str, Any]) -> None:
+        if not self.dist.is_main:
+            return
+        with open(self.run_dir / "train_log.jsonl", "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def _validate(self) -> dict[str, float]:
+        if self.valid_data is None or not self.dist.is_main:
+            return {}
+        t = self.cfg.train
+        metrics = validate(
+            self.model, self.valid_data, t.max_tokens, self.device, t.dtype, t.cpu_kernels
+        )
+        self.state.best_valid_nll = min(self.state.best_valid_nll, metrics["valid_nll"])
+        self._log({"step": self.state.step, "time": self.state.train_seconds, **metrics})
+        log.info(
+            "step %d: valid nll %.4f, ppl %.2f",
+            self.state.step,
+            metrics["valid_nll"],
+            metrics["valid_ppl"],
+        )
+        if self.hooks.on_valid:
+            self.hooks.on_valid(self.state.step, metrics)
+        return metrics
+
+    def _validate_and_check_patience(self) -> bool:
+        """Validate; True when `patience` validations in a row brought no better NLL."""
+        best = self.state.best_valid_nll
+        metrics = self._validate()
+        if not metrics:
+            return False
+        if metrics["valid_nll"] < best:
+            self.state.valid_without_improvement = 0
+        else:
+            self.state.valid_without_improvement += 1
+        patience = self.cfg.train.patience
+        if patience and self.state.valid_without_improvement >= patience:
+            log.warning(
+                "no better validation NLL in %d validations (patience %d): stopping",
+                self.state.valid_without_improvement,
+                patience,
+            )
+            return True
+        return False
+
+    def run(self) -> TrainResult:
+        """Train until max_steps or max_minutes, saving and validating at intervals."""
+        t = self.cfg.train
+        result = TrainResult(self.state, self.run_dir, None)
+        if self.state.step >= t.max_steps:
+            log.warning(
+                "already at step %d >= max_steps %d: nothing to do", self.state.step, t.max_steps
+            )
+            result.stopped_by = "already_done"
+            return result
+        if self.dist.is_main:
+            write_text_atomic(
+                self.run_dir / "config.json", json.dumps(self.cfg.to_dict(), indent=2) + "\n"
+            )
+        log.info(
+            "model: %d parameters; %d training pairs; effective batch ~%d tokens per "
+            "side x %d accumulation x %d ranks = ~%d",
+            count_parameters(self.model),
+            len(self.train_data),
+            t.max_tokens,
+            t.update_freq,
+            self.dist.world_size,
+            t.max_tokens * t.update_freq * self.dist.world_size,
+        )
+        if self.state.epoch < t.bidirectional_epochs:
+            log.info(
+                "bidirectional training: epochs up to %d on every pair in both "
+                "directions (%d pairs), then source->target only",
+                t.bidirectional_epochs - 1,
+                2 * len(self.train_data),
+            )
+        if t.dtype == "bf16" and self.dist.is_main:
+            warning = slow_bf16_warning(self.device)
+            if warning:
+                log.warning(warning)
+                self._log({"step": self.state.step, "event": "slow_bf16", "message": warning})
+            if (
+                t.bpe_dropout > 0
+                and self.device.type == "cpu"
+                and os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY")
+                == str(ONEDNN_PRIMITIVE_CACHE_CAPACITY)
+            ):
+                log.warning(
+                    "BPE-dropout brings new batch shapes every epoch, and aiayn's "
+                    "large oneDNN kernel cache (%d) then keeps growing (memory, "
+                    "slower steps): start with ONEDNN_PRIMITIVE_CACHE_CAPACITY=1024 "
+                    "(docs/performance.md)",
+                    ONEDNN_PRIMITIVE_CACHE_CAPACITY,
+                )
+        self.model.train()
+        if t.preflight:
+            self.preflight()
+        stream = self._batch_stream()
+        last_save = time.monotonic()
+        consecutive_bad = 0
+        recent_losses: list[float] = []  # for the divergence guard
+        window = [0.0, 0.0, 0]  # loss and NLL sums, target tokens since the last log line
+        start_step = self.state.step
+        pace = Pace(60 * t.max_minutes, self.state.train_seconds)
+        with contextlib.closing(self), StopSignal() as stop, contextlib.ExitStack() as done:
+            done.callback(lambda: stream.close())  # the stream in use then (rollbacks)
+            while self.state.step < t.max_steps:
+                t0 = time.perf_counter()
+                stats = self._update(stream)
+                dt = time.perf_counter() - t0
+                self.state.train_seconds += dt
+                if "oom" in stats:
+                    continue
+                stats["tokens_per_s"] = (stats["src_tokens"] + stats["tgt_tokens"]) / dt
+                if "skipped" in stats:
+                    consecutive_bad += 1
+                    log.warning(
+                        "non-finite loss or gradient at step %d: update skipped (%d so far)",
+                        self.state.step + 1,
+                        self.state.nonfinite_skipped,
+                    )
+                    self._log(
+                        {
+                            "step": self.state.step + 1,
+                            "event": "nonfinite_skipped",
+                            "count": self.state.nonfinite_skipped,
+                        }
+                    )
+                    if consecutive_bad >= MAX_CONSECUTIVE_NONFINITE:
+                        raise self._crash(consecutive_bad)
+                    continue
+                consecutive_bad = 0
+                step = self.state.step
+                if t.divergence != "off":
+                    recent_losses = [
+                        *recent_losses[-t.divergence_window - t.divergence_short :],
+                        stats["loss"],
+                    ]
+                    if self._diverged(recent_losses):
+                        short = recent_losses[-t.divergence_short :]
+                        reason = (
+                            f"loss diverged at step {step}: mean "
+                            f"{sum(short) / len(short):.3f}"
+                            f" over the last {len(short)} steps"
+                        )
+                        if t.divergence == "stop":
+                            raise TrainingError(reason + " (train.divergence = 'stop')")
+                        self.rollback(step - t.divergence_short, reason)
+                        stream.close()
+                        stream, recent_losses = self._batch_stream(), []
+                        continue
+                result.history.append({"step": step, **stats})
+                per_step = pace.seconds_per_step(step - start_step, self.state.train_seconds)
+                if per_step is not None:
+                    self._check_pace(step, per_step)
+                if self.hooks.on_step:
+                    self.hooks.on_step(step, stats)
+                n = int(stats["tgt_tokens"])
+                window = [
+                    window[0] + stats["loss"] * n,
+                    window[1] + stats["nll"] * n,
+                    int(window[2]) + n,
+                ]
+                if step % t.log_interval_steps == 0:
+                    # The logged loss and NLL are means over the interval's target tokens
+                    # (one batch's value is too noisy to plot); the rest is this step's.
+                    tokens = max(int(window[2]), 1)
+                    self._log(
+                        {
+                            "step": step,
+                            "time": self.state.train_seconds,
+                            "epoch": self.state.epoch,
+                            **stats,
+                            "loss": window[0] / tokens,
+                            "nll": window[1] / tokens,
+                        }
+                    )
+                    window = [0.0, 0.0, 0]
+                impatient = False
+                if step % t.valid_interval_steps == 0:
+                    impatient = self._validate_and_check_patience()
+                out_of_time = t.max_minutes > 0 and self.state.train_seconds >= 60 * t.max_minutes
+                due_by_time = (
+                    t.save_interval_minutes > 0
+                    and time.monotonic() - last_save >= 60 * t.save_interval_minutes
+                )
+                # Decided together: each rank's clock and signals are its own.
+                out_of_time, stopping, due_by_time, impatient = self.dist.any_each(
+                    [out_of_time, stop.received is not None, due_by_time, impatient], self.device
+                )
+                due = due_by_time or (
+                    t.save_interval_steps > 0 and step % t.save_interval_steps == 0
+                )
+                finished = step >= t.max_steps or out_of_time or stopping or impatient
+                if due or finished:
+                    result.last_checkpoint = self.save()
+                    last_save = time.monotonic()
+                if out_of_time:
+                    result.stopped_by = "max_minutes"
+                    break
+                if stopping:
+                    result.stopped_by = signal.Signals(stop.received or signal.SIGTERM).name
+                    break
+                if impatient:
+                    result.stopped_by = "patience"
+                    break
+        if result.stopped_by in ("max_steps", "max_minutes") and (
+            self.state.step % t.valid_interval_steps
+        ):
+            self._validate()
+        self.dist.barrier()  # no rank leaves while rank 0 still writes
+        result.state = self.state  # a rollback replaces the state object
+        return result
+
+
+def train(
+    cfg: Config,
+    data_dir: str | Path,
+    run_dir: str | Path,
+    *,
+    device: str = "cpu",
+    reset_optimizer: bool = False,
+    reset_dataloader: bool = False,
+    hooks: Hooks | None = None,
+) -> TrainResult:
+    """Train (or resume) a model on a prepared data directory; see :class:`Trainer`."""
+    trainer = Trainer(
+        cfg,
+        data_dir,
+        run_dir,
+        device=device,
+        reset_optimizer=reset_optimizer,
+        reset_dataloader=reset_dataloader,
+        hooks=hooks,
+    )
+    try:
+        return trainer.run()
+    finally:
+        trainer.close()
+        if trainer.dist.active:
+            shutdown()

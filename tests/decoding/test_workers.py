@@ -1,0 +1,114 @@
+"""aiayn.decoding.workers: batches mapped over forked one-thread processes."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import weakref
+from concurrent.futures.process import BrokenProcessPool
+
+import pytest
+import torch
+
+from aiayn.decoding.workers import check_workers, map_batches
+
+
+def _square_with_threads(i: int) -> tuple[int, int, int]:
+    return i * i, torch.get_num_threads(), os.getpid()
+
+
+def test_results_in_order_from_one_thread_workers() -> None:
+    """Every index is computed once, results come back in index order, `done` sees each,
+    and the work ran in other processes with one thread each (GNU OpenMP hangs in a forked
+    child that starts more)."""
+    seen: dict[int, int] = {}
+    out = map_batches(
+        _square_with_threads, 9, workers=2, done=lambda i, r: seen.__setitem__(i, r[0])
+    )
+    assert [r[0] for r in out] == [i * i for i in range(9)]
+    assert seen == {i: i * i for i in range(9)}
+    assert {r[1] for r in out} == {1}
+    assert os.getpid() not in {r[2] for r in out}
+    # one worker: in this process, in order
+    assert map_batches(lambda i: (i, os.getpid()), 3, workers=1) == [
+        (i, os.getpid()) for i in range(3)
+    ]
+
+
+def test_a_matrix_product_in_a_worker_after_the_parent_used_its_threads() -> None:
+    """The parent has run multithreaded products; a forked worker still computes (and
+    returns the same numbers) instead of hanging."""
+    a = torch.randn(256, 256, generator=torch.Generator().manual_seed(0))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        want = a @ a
+        out = map_batches(lambda i: a @ a, 2, workers=2)
+    finally:
+        torch.set_num_threads(threads)
+    for x in out:
+        torch.testing.assert_close(x, want)
+
+
+def _fail_on_three(i: int) -> int:
+    if i == 3:
+        raise ValueError("batch 3 is broken")
+    return i
+
+
+def _die_on_two(i: int) -> int:
+    if i == 2:
+        os.kill(os.getpid(), signal.SIGKILL)  # as the kernel's OOM killer would
+    return i
+
+
+def test_a_worker_error_reaches_the_caller() -> None:
+    with pytest.raises(ValueError, match="batch 3 is broken"):
+        map_batches(_fail_on_three, 6, workers=2)
+
+
+def test_a_killed_worker_fails_the_call_instead_of_hanging() -> None:
+    with pytest.raises(BrokenProcessPool):
+        map_batches(_die_on_two, 6, workers=2)
+    assert map_batches(lambda i: i, 4, workers=2) == [0, 1, 2, 3]  # usable again
+
+
+def test_bad_worker_counts_are_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="workers must be >= 1"):
+        check_workers(0)
+    with pytest.raises(ValueError, match="CPU"):
+        check_workers(2, "cuda")
+    check_workers(1, "cuda")
+
+
+class _Cycle:
+    def __init__(self) -> None:
+        self.me = self
+
+
+def _frozen_count(i: int) -> int:
+    return gc.get_freeze_count()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_decoding_runs_with_the_objects_before_it_frozen(workers: int) -> None:
+    """While batches run, the objects made before are out of the collector's sight (in a
+    forked worker too: it inherits them), and a collection then does not visit them;
+    afterwards they are back, and unreachable cycles made before are collected again."""
+    assert gc.get_freeze_count() == 0
+    before = _Cycle()
+    ref = weakref.ref(before)
+    counts = map_batches(_frozen_count, 4, workers=workers)
+    assert all(c > 1000 for c in counts)  # the interpreter's and PyTorch's objects
+    assert gc.get_freeze_count() == 0
+    del before
+    gc.collect()
+    assert ref() is None  # the cycle, no longer held back
+    # a caller's own freeze is left as it was
+    gc.freeze()
+    try:
+        map_batches(_frozen_count, 2, workers=workers)
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()

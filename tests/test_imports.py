@@ -1,0 +1,135 @@
+"""The package's shape (issue 52): data flows one way. Every `import` in src/aiayn, lazy ones
+inside functions included, is read from the source; a cycle between modules, or a package
+importing one above it in `LAYERS`, fails here with the file and line."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from helpers import ROOT
+
+PACKAGE = ROOT / "src" / "aiayn"
+
+#: Each top-level module or package of aiayn, by layer: one may import only from its own
+#: unit or from a lower layer. Translation and parsing share everything but data and scoring.
+LAYERS = {
+    "__init__": 0,
+    "config": 0,
+    "files": 0,
+    "model": 1,
+    "scoring": 1,
+    "fast": 2,
+    "data": 3,
+    "checkpoints": 4,
+    "decoding": 5,
+    "training": 6,
+    "experiments": 7,
+    "deploy": 7,
+    "cli": 8,
+    "__main__": 9,
+}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imports(path: Path, known: dict[str, Path]) -> list[tuple[str, int]]:
+    """(aiayn module imported, line) for every import statement in the file."""
+    here = module_name(path)
+    package = here if path.name == "__init__.py" else here.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(a.name, node.lineno) for a in node.names if a.name.startswith("aiayn")]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package `level - 1` above this one
+                up = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*up, base] if base else up)
+            if not base.startswith("aiayn"):
+                continue
+            for alias in node.names:  # `from pkg import module` imports the module
+                sub = f"{base}.{alias.name}"
+                found.append((sub if sub in known else base, node.lineno))
+    return found
+
+
+def unit(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def test_every_unit_has_a_layer() -> None:
+    units = {unit(m) for m in modules()}
+    assert units <= set(LAYERS), f"put {sorted(units - set(LAYERS))} into LAYERS"
+
+
+def test_no_module_imports_a_higher_layer() -> None:
+    known = modules()
+    wrong = []
+    for name, path in known.items():
+        for target, line in imports(path, known):
+            a, b = unit(name), unit(target)
+            if a != b and LAYERS[b] >= LAYERS[a]:
+                wrong.append(f"{path.relative_to(ROOT)}:{line}: {name} ({a}, layer "
+                             f"{LAYERS[a]}) imports {target} ({b}, layer {LAYERS[b]})")
+    assert not wrong, "\n".join(wrong)
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of the directed graph, as a path that starts and ends at one node."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_no_import_cycles() -> None:
+    known = modules()
+    graph = {name: {t for t, _ in imports(path, known) if t != name and t in known}
+             for name, path in known.items()}
+    # a package's __init__ may gather its own modules; they import each other, not it
+    for name in graph:
+        graph[name] -= {p for p in graph[name] if name.startswith(p + ".")}
+    cycle = find_cycle(graph)
+    assert cycle is None, " -> ".join(cycle)
+
+
+def test_the_checks_fail_on_a_cycle_and_on_an_upward_import(tmp_path: Path) -> None:
+    """Negative controls: the cycle finder finds a planted cycle, and an upward import
+    is reported with its file and line."""
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+    fake = tmp_path / "aiayn" / "model.py"
+    fake.parent.mkdir()
+    fake.write_text("import torch\n\ndef f():\n    from aiayn.training import trainer\n")
+    known = {"aiayn.model": fake, "aiayn.training.trainer": fake}
+    global PACKAGE
+    saved, PACKAGE = PACKAGE, tmp_path / "aiayn"
+    try:
+        assert imports(fake, known) == [("aiayn.training.trainer", 4)]
+    finally:
+        PACKAGE = saved
+    assert LAYERS[unit("aiayn.training.trainer")] > LAYERS[unit("aiayn.model")]
