@@ -92,7 +92,7 @@ def test_the_probe_keeps_a_failing_or_wrong_kernel_out(monkeypatch: pytest.Monke
     cpu = torch.device("cpu")
 
     def formula(q, k, v, mask, causal):  # a correct "kernel": Eq. 1 written out
-        return scaled_dot_product_attention(q, k, v, mask, causal=causal, fused=False)
+        return scaled_dot_product_attention(q, k, v, mask, causal=causal)
 
     def wrong(q, k, v, mask, causal):
         return formula(q, k, v, mask, causal) * 1.1

@@ -534,7 +534,7 @@ def test_int8_output_layer_in_blocks_in_a_beam_search(monkeypatch) -> None:  # t
     """`Int8Linear.lse_topk` with blocks of 64 columns (a vocabulary of 300: five blocks)
     finds the same hypotheses as with one block, scores within float32 rounding."""
     from aiayn.config import EOS_ID, ModelConfig
-    from aiayn.decoding import translate
+    from aiayn.fast import inference, int8_ops
     from aiayn.fast.inference import cast_for_inference
     from aiayn.model import Transformer
 
@@ -554,13 +554,13 @@ def test_int8_output_layer_in_blocks_in_a_beam_search(monkeypatch) -> None:  # t
     monkeypatch.setattr(native, "lse_topk_int8_blocked", spy)
     one = search.beam_search(model, src, beam=4, alpha=0.6, max_len_a=1.0, max_len_b=5, nbest=4)
     assert calls and set(calls) == {300}
-    monkeypatch.setattr(translate, "LSE_TOPK_BLOCK_BYTES", 1)
+    monkeypatch.setattr(inference, "LSE_TOPK_BLOCK_BYTES", 1)
     calls.clear()
     blocks = search.beam_search(model, src, beam=4, alpha=0.6, max_len_a=1.0, max_len_b=5, nbest=4)
     assert calls and set(calls) == {64}
     # and with float32 products of the integers where torch._int_mm is missing (exact for
     # this width), written into the same reused buffer
-    monkeypatch.setattr(translate, "_has_int_mm", lambda: False)
+    monkeypatch.setattr(int8_ops, "_has_int_mm", lambda: False)
     no_int_mm = search.beam_search(
         model, src, beam=4, alpha=0.6, max_len_a=1.0, max_len_b=5, nbest=4
     )
