@@ -34,9 +34,7 @@ from dataclasses import asdict, dataclass
 from importlib.metadata import version
 from pathlib import Path
 
-import sacremoses
 from sacrebleu.metrics import BLEU, CHRF
-from sacremoses.corpus import NonbreakingPrefixes
 
 from aiayn.files import read_lines
 
@@ -136,6 +134,10 @@ def lang_from_suffix(path: str | Path, default: str = "en") -> str:
         name = name[: -len(".gz")]
     suffix = Path(name).suffix.lstrip(".").lower()
     # only codes with Moses nonbreaking prefixes count, so "hyp.txt" is not language "txt"
+    # imported here: importing sacremoses sets KMP_INIT_AT_FORK (through joblib), and
+    # `import aiayn` must change nothing global
+    from sacremoses.corpus import NonbreakingPrefixes
+
     known = set(NonbreakingPrefixes().available_langs.values())
     return suffix if suffix in known else default
 
@@ -200,6 +202,8 @@ def _score(
 
 def _tok_bleu(hyps: list[str], refs: list[str], target_lang: str) -> tuple[float, str]:
     """Lowercased BLEU on Moses-tokenized text (multi-bleu style), and its signature."""
+    import sacremoses  # imported here: see above
+
     moses = sacremoses.MosesTokenizer(lang=target_lang)
 
     def tok(s: str) -> str:
