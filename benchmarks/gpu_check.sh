@@ -42,7 +42,7 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit, log its output and t
 step env 30 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv;
     $PY -c 'import torch, triton, transformers; print(\"torch\", torch.__version__, \"triton\", triton.__version__, \"transformers\", transformers.__version__, torch.cuda.get_device_name())'
     git log -1 --format='commit %H' 2>/dev/null || true"
-step tests 150 $PY -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py tests/test_kernels.py
+step tests 150 $PY -m pytest -q -rs -p no:cacheprovider tests/fast/test_cuda.py tests/fast/test_kernels.py
 step bench-train 120 bash -c "
     $PY -m aiayn bench peak --dtype bf16,fp32 --device cuda --json
     $PY -m aiayn bench train --preset base --dtype bf16 --device cuda --batch-sentences 1700 --steps 20 --json

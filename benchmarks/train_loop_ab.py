@@ -32,9 +32,8 @@ ARMS = ("default", "no-prefetch", "cudnn", "no-kernel")
 def _child(arm: str, argv: list[str]) -> int:
     """Runs `aiayn train` in this process with `arm`'s choice switched off."""
     import aiayn.training.trainer as train_mod
-    from aiayn import model
     from aiayn.cli import main
-    from aiayn.fast import kernels
+    from aiayn.fast import attention, kernels
 
     if arm == "no-prefetch":
         init = train_mod.Trainer.__init__
@@ -45,7 +44,7 @@ def _child(arm: str, argv: list[str]) -> int:
 
         train_mod.Trainer.__init__ = no_prefetch  # type: ignore[method-assign]
     elif arm == "cudnn":
-        model._NoCudnnAttention.__init__ = (  # type: ignore[method-assign]
+        attention.NoCudnnAttention.__init__ = (  # type: ignore[method-assign]
             lambda self, q: setattr(self, "active", False)
         )
     elif arm == "no-kernel":

@@ -27,7 +27,7 @@ ROWS = {
     "A": {f"A{i}": "CPU" for i in range(1, 12)},
     "B": {"B1": "CPU", "B2": "CPU", "B3": "CPU", "B4": "R", "B5": "CPU", "B6": "GPU"},
     # C6 and C7: an injected out-of-memory error on the CPU; C7's real one needs a GPU
-    # (tests/test_cuda.py), as C6's would.
+    # (tests/fast/test_cuda.py), as C6's would.
     "C": {
         "C1": "CPU",
         "C2": "CPU",

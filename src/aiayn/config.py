@@ -101,33 +101,28 @@ class TrainConfig:
     # epoch re-segments the training text, each merge step leaving each possible merge out
     # with this probability (data.BPEDropout); 0 = the prepared segmentation. A regulariser
     # for small corpora; validation and decoding never use it. The draws depend on (seed,
-    # epoch) only. On the En->De recipe (p = 0.1, seed 1) it was 3.8 val BLEU behind at
-    # step 7,600 (docs/results.md, "BPE-dropout again").
+    # epoch) only. Measured: docs/results.md, "How the recipe was chosen".
     bpe_dropout: float = 0.0
     dtype: DType = "fp32"
     # torch.compile the model's forward (dynamic shapes): fused element-wise kernels and
-    # fewer launches, for GPUs. On one H100 the recipe model's steps ran 1.24x faster, after
-    # ~2 minutes of compiling (four compilations); on 2 CPU threads compiled steps ran at
-    # 0.67-0.77x the eager speed. Off by default; see docs/performance.md.
+    # fewer launches, for GPUs (slower on a 2-core CPU). Off by default, as it costs minutes
+    # of compiling; measured: docs/performance.md.
     compile: bool = False
     # On the CPU, run every position-wise sublayer (projections, FFN, LayerNorm, dropout)
-    # on the real tokens only, not on padding (model.Packing): the same model and
-    # gradients, other rounding and dropout draws. The benchmark's batch (12.5% padding):
-    # steps 1.08-1.16x faster (AMD VM; docs/performance.md, "Padding left out"). On GPUs
-    # the padded batch is kept.
+    # on the real tokens only, not on padding (aiayn.fast.packing.Packing): the same model
+    # and gradients, other rounding and dropout draws. On GPUs the padded batch is kept.
+    # Measured: docs/performance.md.
     pack_padding: bool = True
     # On the CPU, run parts of the training step in compiled C (aiayn.fast.native): dropout
     # masks from a counter-based generator seeded from PyTorch's (p within 2^-16; other
     # masks, the same distribution) and the loss's pass over the logits (other rounding).
-    # Base bf16 training steps 1.05-1.07x faster from the masks alone (AMD VM;
-    # docs/performance.md, "Dropout masks in C" and "The loss in C"). The recipes turn it
-    # off to reproduce their recorded runs.
+    # The recipes turn it off to reproduce their recorded runs. Measured:
+    # docs/performance.md.
     cpu_kernels: bool = True
     # R-Drop (Liang et al., 2021), beyond the paper: every batch passes twice (different
     # dropout masks) and rdrop_alpha x the two predictions' symmetric KL joins the loss
-    # (aiayn.training.loss.rdrop_loss). The recipe model's step costs 2.2x (AMD VM); 7,000 steps
-    # of it scored 2.2 test tok-BLEU below the recipe (docs/results.md, "R-Drop").
-    # 0 = off, the paper's objective.
+    # (aiayn.training.loss.rdrop_loss); a step costs about twice as much. 0 = off, the
+    # paper's objective. Measured: docs/results.md, "How the recipe was chosen".
     rdrop_alpha: float = 0.0
     # Bidirectional training (BiT; Ding et al., 2021), beyond the paper: the first
     # bidirectional_epochs epochs train on every pair in both directions (src->tgt and

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-import aiayn.training.trainer as train_module
+import aiayn.training.guards as guards_module
+import aiayn.training.trainer as trainer_module
 from aiayn.config import apply_overrides, get_preset
-from aiayn.training.trainer import train
+from aiayn.training.trainer import Hooks, train
 
 
 def test_logged_loss_is_the_interval_mean(small_data: Path, tmp_path: Path):
@@ -187,8 +188,8 @@ def test_warns_early_when_max_minutes_will_end_the_run(
     max_steps: int,
 ):
     # The pace of steps 2..6 projects the run: 12 steps fit a minute, a million do not.
-    monkeypatch.setattr(train_module, "PACE_FROM_STEP", 2)
-    monkeypatch.setattr(train_module, "PACE_AT_STEP", 6)
+    monkeypatch.setattr(guards_module, "PACE_FROM_STEP", 2)
+    monkeypatch.setattr(guards_module, "PACE_AT_STEP", 6)
     budget_min = 1.0 if max_steps == 12 else 0.03
     cfg = apply_overrides(
         get_preset("tiny"),
@@ -242,7 +243,7 @@ def test_bf16_training_warns_where_bf16_is_slower_than_fp32(
         asked.append(str(device))
         return "bf16 matrix products run at 1 GFLOP/s" if slow else None
 
-    monkeypatch.setattr(train_module, "slow_bf16_warning", check)
+    monkeypatch.setattr(trainer_module, "slow_bf16_warning", check)
     for dtype in ("fp32", "bf16"):
         cfg = apply_overrides(
             get_preset("tiny"),
@@ -283,9 +284,9 @@ def test_a_run_too_slow_to_reach_the_pace_step_is_projected_by_time(
 ):
     # As for bf16 on a CPU that emulates it (~6 s a step): step PACE_AT_STEP would come with
     # the end of the budget, so the projection comes once 10% of max_minutes is spent.
-    monkeypatch.setattr(train_module, "PACE_FROM_STEP", 10**6)
-    monkeypatch.setattr(train_module, "PACE_AT_STEP", 2 * 10**6)
-    monkeypatch.setattr(train_module, "PACE_EARLY_STEP", 2)
+    monkeypatch.setattr(guards_module, "PACE_FROM_STEP", 10**6)
+    monkeypatch.setattr(guards_module, "PACE_AT_STEP", 2 * 10**6)
+    monkeypatch.setattr(guards_module, "PACE_EARLY_STEP", 2)
     budget_min = 0.03
     cfg = apply_overrides(
         get_preset("tiny"),
@@ -316,15 +317,15 @@ def test_a_run_too_slow_to_reach_the_pace_step_is_projected_by_time(
 
 
 def test_pace_is_checked_once_from_the_right_marks(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(train_module, "PACE_EARLY_STEP", 10)
-    monkeypatch.setattr(train_module, "PACE_FROM_STEP", 200)
-    monkeypatch.setattr(train_module, "PACE_AT_STEP", 600)
+    monkeypatch.setattr(guards_module, "PACE_EARLY_STEP", 10)
+    monkeypatch.setattr(guards_module, "PACE_FROM_STEP", 200)
+    monkeypatch.setattr(guards_module, "PACE_AT_STEP", 600)
     # a fast run: checked at step 600, from step 200's mark, never again
-    pace = train_module._Pace(budget_s=3600.0, start_s=0.0)
+    pace = guards_module.Pace(budget_s=3600.0, start_s=0.0)
     seen = {d: pace.seconds_per_step(d, 0.25 * d) for d in range(1, 1000)}
     assert {d: v for d, v in seen.items() if v is not None} == {600: pytest.approx(0.25)}
     # a slow run: checked once 10% of the budget (360 s) is spent, from step 10's mark
-    pace = train_module._Pace(budget_s=3600.0, start_s=100.0)
+    pace = guards_module.Pace(budget_s=3600.0, start_s=100.0)
     seen = {d: pace.seconds_per_step(d, 100.0 + 6.0 * d) for d in range(1, 600)}
     assert {d: v for d, v in seen.items() if v is not None} == {60: pytest.approx(6.0)}
 
@@ -402,7 +403,7 @@ def test_prefetched_batches_train_the_same_run_and_resume_alike(small_data: Path
             apply_overrides(cfg, {"max_steps": max_steps}),
             small_data,
             out,
-            hooks=train_module.Hooks(on_batch=lambda step, e, p, ids: seen.append(ids.tolist())),
+            hooks=Hooks(on_batch=lambda step, e, p, ids: seen.append(ids.tolist())),
         )
         trainer.prefetch = prefetch
         try:

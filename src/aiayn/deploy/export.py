@@ -7,7 +7,7 @@ sqrt(d_model), one matrix for both embeddings and the pre-softmax projection. Th
 lets `benchmarks/compare.py` run CTranslate2 on exactly aiayn's weights, and lets a user
 serve a trained checkpoint with it. The LayerNorm epsilon is carried over from the model.
 In float32 the converted model's sentence log-probabilities agree with aiayn's to within
-1e-4 (tests/test_export.py; 3e-6 measured on its copy model).
+1e-4 (tests/deploy/test_export.py; 3e-6 measured on its copy model).
 """
 
 from __future__ import annotations

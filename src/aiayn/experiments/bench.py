@@ -138,7 +138,8 @@ def bench_train(
         )
     dev = torch.device(device)
     # The ceiling is measured first: measured after the training steps, in the same
-    # process, it came out 2-3x lower on the CPU (cause not established).
+    # process, it came out several times lower on the CPU (cause not established;
+    # docs/performance.md, "Reproduce").
     p = matmul_peak(DTYPES[dtype], device=device) if peak else None
     step, model, src, tgt = train_step(
         preset, dtype, device, vocab=vocab, batch=batch, compile=compile
@@ -151,8 +152,9 @@ def bench_train(
     warmup_seconds = time.perf_counter() - t0
     times = _timed(step, steps, 0, dev)
     t = statistics.median(times)
-    # the convention (its 0.55 TFLOP/s for HF at 3,690 tokens/s): the position-wise
-    # products of the real tokens, the attention products over the padded lengths
+    # the convention (as its own HF figures imply:
+    # docs/experiments/2026-11-23-perf-where-we-stand.md): the position-wise products of
+    # the real tokens, the attention products over the padded lengths
     flops = training_flops(
         model.cfg,
         batch,

@@ -19,150 +19,36 @@ The experiment file is a preset plus overrides (see `config.load_experiment`) an
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import multiprocessing as mp
-import os
-import platform
-import signal
-import sys
 import time
-from dataclasses import asdict, dataclass, fields, replace
-from importlib import metadata
-from multiprocessing.connection import wait as wait_for
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from aiayn.config import (
-    Config,
-    ConfigError,
-    DecodeConfig,
-    apply_overrides,
-    coerce_value,
-    load_experiment,
-)
+from aiayn.config import Config, DecodeConfig
+from aiayn.experiments.manifest import cpu_kernels, environment
+from aiayn.experiments.members import member_dirs, train_members, train_summary
+from aiayn.experiments.recipe_config import RecipeConfig, load_recipe, parse_recipe
 from aiayn.files import sha256_file, write_text_atomic
 from aiayn.training.trainer import Hooks
 
 if TYPE_CHECKING:
     from aiayn.decoding.translate import Decoder, SubwordTokenizer
-    from aiayn.training.trainer import TrainResult
+
+__all__ = [
+    "RecipeConfig",
+    "cpu_kernels",
+    "format_results",
+    "load_recipe",
+    "parse_recipe",
+    "run_recipe",
+    "tune_alpha",
+]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RecipeConfig:
-    """The [recipe] table of an experiment file."""
-
-    dataset: str = "multi30k"
-    source_lang: str = "en"
-    target_lang: str = "de"
-    vocab_size: int = 8000
-    train_split: str = "train"
-    valid_split: str = "val"
-    test_split: str = "test_2016_flickr"
-    average_last: int = 5  # checkpoints averaged (section 6.1: 5 for base, 20 for big)
-    max_train_pairs: int = 0  # 0 = all; a smaller number makes a quick smoke run
-    max_test_pairs: int = 0  # 0 = all; likewise for the test set (and the tune_alpha sentences)
-    # Length penalties tried on the validation set once training is done; the one with the
-    # best sacreBLEU decodes the test set. Section 6.1: beam size and alpha "were chosen
-    # after experimentation on the development set". Empty: decode.alpha as configured.
-    tune_alpha: tuple[float, ...] = ()
-    # Train, translate and score lowercased text, as many published Multi30k systems do
-    # (trained on the shared task's lowercased, tokenized files, scored on lowercased
-    # text). The vocabulary lowercases what it encodes, so the checkpoint lowercases any
-    # input it translates. Off by default: the translations then have no capitals, and
-    # sacreBLEU is computed against lowercased references.
-    lowercase: bool = False
-    # Beyond the paper (its rows are single models): train this many models at once, seeds
-    # train.seed, train.seed + 1, ..., each in its own process on an equal share of the
-    # CPU threads, each averaged, and translate with their ensemble (`aiayn.decoding.ensemble`: the
-    # mean of their next-token probabilities). The run directory then holds member1/ ...
-    # memberK/, each a training run of its own. 1: one model, the paper's recipe.
-    ensemble: int = 1
-
-
-def parse_recipe(table: dict[str, Any], where: str) -> RecipeConfig:
-    """The [recipe] table as a RecipeConfig; an unknown key is an error naming the closest."""
-    import difflib
-
-    names = {f.name: f for f in fields(RecipeConfig)}
-    for key in table:
-        if key not in names:
-            close = difflib.get_close_matches(key, list(names), n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(f"{where}: unknown key recipe.{key!r}{hint}")
-    if "tune_alpha" in table:
-        grid = table["tune_alpha"]
-        if not isinstance(grid, list | tuple) or not all(
-            isinstance(a, int | float) and not isinstance(a, bool) and a >= 0 for a in grid
-        ):
-            raise ConfigError(
-                f"{where}: recipe.tune_alpha must be a list of numbers >= 0, got {grid!r}"
-            )
-        table = {**table, "tune_alpha": tuple(float(a) for a in grid)}
-    recipe = RecipeConfig(**table)
-    if recipe.dataset != "multi30k":
-        raise ConfigError(f"{where}: recipe.dataset must be 'multi30k', got {recipe.dataset!r}")
-    if (
-        recipe.average_last < 1
-        or recipe.vocab_size < 10
-        or recipe.max_train_pairs < 0
-        or recipe.max_test_pairs < 0
-        or recipe.ensemble < 1
-    ):
-        raise ConfigError(
-            f"{where}: recipe.average_last >= 1, vocab_size >= 10, "
-            "max_train_pairs >= 0, max_test_pairs >= 0 and ensemble >= 1 "
-            "are required"
-        )
-    return recipe
-
-
-def type_like(cls: type, key: str, value: Any) -> Any:
-    """A --set string as the type of the RecipeConfig field it sets."""
-    name = key.removeprefix("recipe.")
-    default = {f.name: f.default for f in fields(cls)}.get(name)
-    if isinstance(default, tuple) and isinstance(value, str):  # "0.6,1.0" -> [0.6, 1.0]
-        try:
-            return [float(x) for x in value.split(",") if x.strip()]
-        except ValueError:
-            raise ConfigError(f"{key} must be comma-separated numbers, got {value!r}") from None
-    if isinstance(default, bool) and isinstance(value, str):
-        return coerce_value(key, default, value)
-    if isinstance(default, int) and isinstance(value, str):
-        try:
-            return int(value)
-        except ValueError:
-            raise ConfigError(f"{key} must be an integer, got {value!r}") from None
-    return value
-
-
-def load_recipe(
-    path: str | Path, overrides: dict[str, Any] | None = None
-) -> tuple[Config, RecipeConfig]:
-    """Read an experiment file with a [recipe] table; `overrides` are --set values."""
-    cfg, extra = load_experiment(path)
-    unknown = set(extra) - {"recipe"}
-    if unknown:
-        raise ConfigError(f"{path}: unknown table(s) {sorted(unknown)}")
-    overrides = dict(overrides or {})
-    table = dict(extra.get("recipe", {}))
-    for key in [k for k in overrides if k.startswith("recipe.")]:
-        table[key.removeprefix("recipe.")] = type_like(RecipeConfig, key, overrides.pop(key))
-    recipe = parse_recipe(table, str(path))
-    if overrides:
-        cfg = apply_overrides(cfg, overrides)
-    if cfg.train.keep_last < recipe.average_last:
-        raise ConfigError(
-            f"{path}: train.keep_last ({cfg.train.keep_last}) must be at least "
-            f"recipe.average_last ({recipe.average_last})"
-        )
-    return cfg, recipe
 
 
 def _truncate_copy(src_prefix: Path, langs: list[str], out_prefix: Path, n: int) -> None:
@@ -189,251 +75,23 @@ def _lowercase_copy(src_prefix: Path, langs: list[str], out_prefix: Path) -> Non
         write_text_atomic(Path(f"{out_prefix}.{lang}"), text)
 
 
-def environment() -> dict[str, Any]:
-    """Library versions and machine, for the manifest."""
-    versions: dict[str, str | None] = {}
-    for name in ("aiayn", "torch", "sentencepiece", "sacrebleu", "sacremoses", "numpy"):
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
-    machine: dict[str, Any] = {
-        "platform": platform.platform(),
-        "processor": _cpu_name(),
-        "cpus": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "python": sys.version.split()[0],
-        **cpu_kernels(),
-    }
-    if torch.cuda.is_available():
-        machine["cuda_devices"] = [
-            torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())
-        ]
-    return {"versions": versions, "machine": machine}
+@dataclass
+class _Data:
+    """What the data stage made: each split's file prefix (`full`: before a smoke run's
+    truncation), the prepared directory and its manifest."""
+
+    prefixes: dict[str, Path]
+    full: dict[str, Path]
+    prepared: Path
+    manifest: dict[str, Any]
 
 
-def cpu_kernels() -> dict[str, Any]:
-    """Which vector units PyTorch and oneDNN use on this CPU.
-
-    They choose oneDNN's kernels, and so how a bf16 run's sums round: the same seed
-    reproduced bit for bit on Sapphire Rapids VMs (AMX) and gave another run, 0.31-0.34
-    BLEU apart, on an AVX-512 BF16 CPU without AMX (AMD EPYC; docs/results.md).
-    """
-    flags = set(_cpuinfo("flags").split())
-    return {
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "avx512_bf16": "avx512_bf16" in flags,
-        "amx_bf16": "amx_bf16" in flags,
-    }
-
-
-def _cpu_name() -> str:
-    return _cpuinfo("model name") or platform.processor()
-
-
-def _cpuinfo(field: str) -> str:
-    """The first value of `field` in /proc/cpuinfo ("" where there is none, e.g. macOS)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(field):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
-
-
-# --------------------------------------------------------------------------- ensemble members
-def train_summary(result: TrainResult) -> dict[str, Any]:
-    """What the manifest keeps of one training run."""
-    from aiayn.experiments.curves import read_log
-
-    state = result.state
-    return {
-        "steps": state.step,
-        "epochs": state.epoch,
-        "tokens": state.tokens_seen,
-        "train_seconds": state.train_seconds,
-        "stopped_by": result.stopped_by,
-        "best_valid_nll": state.best_valid_nll,
-        "flops": state.flops,
-        "last_valid": next(
-            (h for h in reversed(read_log(result.run_dir)) if "valid_nll" in h), None
-        ),
-    }
-
-
-#: What a member process leaves in its run directory for the recipe.
-MEMBER_RESULT = "member_result.json"
-
-
-def _train_member(
-    cfg: Config, data_dir: Path, run_dir: Path, device: str, threads: int, log_level: int
-) -> None:
-    """One ensemble member, in a process of its own (the entry point of `train_members`)."""
-    from aiayn.training.trainer import train
-
-    os.setpgrp()  # a terminal's Ctrl-C reaches the recipe only, which passes it on once
-    torch.set_num_threads(threads)
-    logging.basicConfig(
-        level=log_level, format=f"%(asctime)s %(levelname)s {run_dir.name} %(name)s: %(message)s"
-    )
-    result = train(cfg, data_dir, run_dir, device=device)
-    summary = {**train_summary(result), "seed": cfg.train.seed}
-    write_text_atomic(run_dir / MEMBER_RESULT, json.dumps(summary) + "\n")
-
-
-class _LogFollower:
-    """Feeds the new records of a run's train_log.jsonl to the CLI's progress hooks."""
-
-    def __init__(self, run_dir: Path, hooks: Hooks | None) -> None:
-        self.path, self.hooks, self.offset = run_dir / "train_log.jsonl", hooks, 0
-
-    def poll(self) -> None:
-        if self.hooks is None or not self.path.exists():
-            return
-        with open(self.path, "rb") as f:
-            f.seek(self.offset)
-            data = f.read()
-        done = data.rfind(b"\n") + 1  # whole lines only: the writer may be mid-line
-        self.offset += done
-        for line in data[:done].decode("utf-8").splitlines():
-            record = json.loads(line) if line.strip() else {}
-            if "loss" in record and self.hooks.on_step is not None:
-                self.hooks.on_step(record["step"], record)
-            elif "valid_nll" in record and self.hooks.on_valid is not None:
-                self.hooks.on_valid(record["step"], record)
-
-
-def member_dirs(out: Path, k: int) -> list[Path]:
-    """The run directories of an ensemble recipe's k members."""
-    return [out / f"member{i + 1}" for i in range(k)]
-
-
-def train_members(
-    cfg: Config,
-    data_dir: Path,
-    out: Path,
-    k: int,
-    *,
-    device: str = "cpu",
-    hooks: Hooks | None = None,
-) -> list[dict[str, Any]]:
-    """Train k models of `cfg` at once into `member_dirs(out, k)`, with seeds
-    train.seed, train.seed + 1, ..., each in a spawned process with 1/k of this process's
-    threads (on a 2-core CPU two one-thread runs did 1.37x the steps of one two-thread run
-    in the same time: docs/results.md). Each member is an ordinary run directory, so a
-    rerun resumes every member. SIGTERM and SIGINT (Ctrl-C) are passed on to the members,
-    which finish their step, save and stop, as `aiayn train` does (a second Ctrl-C stops
-    them at once); the recipe then goes on with what they saved, as after a single run.
-    The progress hooks follow member 1.
-
-    Returns:
-        Each member's `train_summary`, with its "seed".
-    Raises:
-        TrainingError naming the members whose process failed (their errors are logged).
-    """
-    from aiayn.training.trainer import TrainingError
-
-    threads = max(1, torch.get_num_threads() // k)
-    ctx = mp.get_context("spawn")  # a fresh interpreter: no forked thread pools
-    dirs = member_dirs(out, k)
-    procs = []
-    for i, run_dir in enumerate(dirs):
-        (run_dir / MEMBER_RESULT).unlink(missing_ok=True)
-        member_cfg = apply_overrides(cfg, {"train.seed": cfg.train.seed + i})
-        proc = ctx.Process(
-            target=_train_member,
-            name=f"aiayn-{run_dir.name}",
-            daemon=True,
-            args=(
-                member_cfg,
-                data_dir,
-                run_dir,
-                device,
-                threads,
-                logging.getLogger().getEffectiveLevel(),
-            ),
-        )
-        proc.start()
-        procs.append(proc)
-        log.info("%s: seed %d, %d thread(s)", run_dir.name, member_cfg.train.seed, threads)
-
-    def forward(signum: int, frame: Any) -> None:
-        for proc in procs:
-            if proc.is_alive() and proc.pid is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, signum)
-
-    old = {}
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        with contextlib.suppress(ValueError):  # not the main thread: no handler
-            old[sig] = signal.signal(sig, forward)
-    follow = _LogFollower(dirs[0], hooks)
-    try:
-        while alive := [proc.sentinel for proc in procs if proc.is_alive()]:
-            wait_for(alive, timeout=2)  # back at once when a member ends
-            follow.poll()
-    finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
-    follow.poll()
-    failed = [
-        f"{d} (exit code {p.exitcode})"
-        for d, p in zip(dirs, procs, strict=True)
-        if p.exitcode != 0 or not (d / MEMBER_RESULT).exists()
-    ]
-    if failed:
-        raise TrainingError(
-            f"ensemble member training failed: {', '.join(failed)}; its "
-            "error is logged above; rerunning the recipe resumes each member"
-        )
-    return [json.loads((d / MEMBER_RESULT).read_text(encoding="utf-8")) for d in dirs]
-
-
-def run_recipe(
-    path: str | Path,
-    out: str | Path,
-    *,
-    data: str | Path | None = None,
-    device: str = "cpu",
-    overrides: dict[str, Any] | None = None,
-    hooks: Hooks | None = None,
-) -> dict[str, Any]:
-    """Run an experiment file end to end; see the module docstring for the files it writes.
-
-    Args:
-        path: the experiment file (TOML) with a [recipe] table.
-        out: the run directory; rerunning resumes training and redoes the later stages.
-        data: a local copy of the corpus (e.g. ../shared/data/multi30k); None downloads it.
-        device: "cpu", "cuda", ...
-        overrides: config keys to change (as `--set`), e.g. {"train.max_minutes": 60}.
-        hooks: training callbacks (the CLI's progress bar).
-
-    Returns:
-        The results dictionary also written to RUN/results.json.
-    """
-    from aiayn.checkpoints import (
-        average_checkpoints,
-        list_last,
-        load_ensemble,
-        save_checkpoint_file,
-    )
+def _data_stage(recipe: RecipeConfig, cfg: Config, out: Path, data: str | Path | None) -> _Data:
+    """Download (or copy) the corpus, lowercase or truncate it as the recipe asks, prepare."""
     from aiayn.data.download import download_multi30k
-    from aiayn.data.prepare import find_input, prepare
-    from aiayn.decoding.ensemble import as_decoder
-    from aiayn.decoding.translate import translate_file
-    from aiayn.experiments.curves import plot_curves
-    from aiayn.fast.flops import cpu_matmul_rates, matmul_peak, slow_bf16_warning
-    from aiayn.scoring.bleu import score_files
-    from aiayn.training.trainer import train
+    from aiayn.data.prepare import prepare
 
-    cfg, recipe = load_recipe(path, overrides)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     src, tgt = recipe.source_lang, recipe.target_lang
-    wall: dict[str, float] = {}
-
-    t0 = time.perf_counter()
     raw = out / "data" / "raw"
     splits = [recipe.train_split, recipe.valid_split, recipe.test_split]
     download_multi30k(raw, data, splits=splits, langs=[src, tgt])
@@ -464,41 +122,147 @@ def run_recipe(
         max_len_ratio=cfg.train.max_len_ratio,
         lowercase=recipe.lowercase,
     )
-    wall["data_and_prepare_s"] = time.perf_counter() - t0
+    return _Data(prefixes, full, prepared, manifest)
 
-    # The matmul ceiling for Table 2's estimate, measured before training (measured after
-    # it in the same process, it came out 2-3x lower on the CPU).
+
+def _matmul_peak(cfg: Config, device: str) -> tuple[float, torch.dtype]:
+    """The matmul ceiling for Table 2's FLOPs estimate, measured before training (measured
+    after it in the same process, it came out lower on the CPU)."""
+    from aiayn.fast.flops import cpu_matmul_rates, matmul_peak, slow_bf16_warning
+
     peak_dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32
     if cfg.train.dtype == "bf16" and slow_bf16_warning(device):
         # emulated bf16 (the trainer says so next): the 2048^3 products would take minutes
-        peak = cpu_matmul_rates()[1]
-    else:
-        peak = matmul_peak(peak_dtype, device=device)
-    t0 = time.perf_counter()
-    if recipe.ensemble == 1:
-        runs = [out]
-        trained = [train_summary(train(cfg, prepared, out, device=device, hooks=hooks))]
-    else:
-        runs = member_dirs(out, recipe.ensemble)
-        trained = train_members(cfg, prepared, out, recipe.ensemble, device=device, hooks=hooks)
-    wall["train_s"] = time.perf_counter() - t0
+        return cpu_matmul_rates()[1], peak_dtype
+    return matmul_peak(peak_dtype, device=device), peak_dtype
 
-    t0 = time.perf_counter()
+
+def _train_stage(
+    recipe: RecipeConfig,
+    cfg: Config,
+    prepared: Path,
+    out: Path,
+    device: str,
+    hooks: Hooks | None,
+) -> tuple[list[Path], list[dict[str, Any]]]:
+    """Train the model (or the ensemble's members): their run directories and summaries."""
+    from aiayn.training.trainer import train
+
+    if recipe.ensemble == 1:
+        return [out], [train_summary(train(cfg, prepared, out, device=device, hooks=hooks))]
+    runs = member_dirs(out, recipe.ensemble)
+    return runs, train_members(cfg, prepared, out, recipe.ensemble, device=device, hooks=hooks)
+
+
+def _average_stage(recipe: RecipeConfig, runs: list[Path]) -> list[list[str]]:
+    """Average each run's last checkpoints into its checkpoint_avg.pt: the names averaged."""
+    from aiayn.checkpoints import average_checkpoints, list_last, save_checkpoint_file
+
     averaged = []
     for run in runs:
         paths = list_last(run, recipe.average_last, strict=False)
         save_checkpoint_file(run / "checkpoint_avg.pt", average_checkpoints(paths))
         averaged.append([p.name for p in paths])
+    return averaged
+
+
+def _member_scores(
+    runs: list[Path],
+    models: list[Any],
+    trained: list[dict[str, Any]],
+    averaged: list[list[str]],
+    translate: Any,
+    hyp_name: str,
+) -> list[dict[str, Any]]:
+    """Each ensemble member's own test scores, at the ensemble's settings: what the
+    ensemble adds. `translate(model, hyp_path)` translates the test set and scores it."""
+    members = []
+    for run, member, t, names in zip(runs, models, trained, averaged, strict=True):
+        members.append(
+            {
+                "run": run.name,
+                **t,
+                "averaged": names,
+                "scores": translate(member, run / hyp_name).to_dict(),
+            }
+        )
+    return members
+
+
+def _plot(
+    out: Path, runs: list[Path], trained: list[dict[str, Any]], pair: str, title: str
+) -> None:
+    from aiayn.experiments.curves import plot_curves
+
+    try:
+        labels: dict[str, str | Path] = (
+            {pair: out}
+            if len(runs) == 1
+            else {
+                f"{pair} {run.name} (seed {t['seed']})": run
+                for run, t in zip(runs, trained, strict=True)
+            }
+        )
+        plot_curves(labels, out / "curve.png", title=title)
+    except ImportError:
+        log.info("matplotlib is not installed (pip install 'aiayn[plot]'): no curve.png")
+
+
+def run_recipe(
+    path: str | Path,
+    out: str | Path,
+    *,
+    data: str | Path | None = None,
+    device: str = "cpu",
+    overrides: dict[str, Any] | None = None,
+    hooks: Hooks | None = None,
+) -> dict[str, Any]:
+    """Run an experiment file end to end; see the module docstring for the files it writes.
+
+    Args:
+        path: the experiment file (TOML) with a [recipe] table.
+        out: the run directory; rerunning resumes training and redoes the later stages.
+        data: a local copy of the corpus (e.g. ../shared/data/multi30k); None downloads it.
+        device: "cpu", "cuda", ...
+        overrides: config keys to change (as `--set`), e.g. {"train.max_minutes": 60}.
+        hooks: training callbacks (the CLI's progress bar).
+
+    Returns:
+        The results dictionary also written to RUN/results.json.
+    """
+    from aiayn.checkpoints import load_ensemble
+    from aiayn.data.prepare import find_input
+    from aiayn.decoding.ensemble import as_decoder
+    from aiayn.decoding.translate import translate_file
+    from aiayn.scoring.bleu import score_files
+
+    cfg, recipe = load_recipe(path, overrides)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    src, tgt = recipe.source_lang, recipe.target_lang
+    wall: dict[str, float] = {}
+    clock = time.perf_counter
+
+    t0 = clock()
+    data_ = _data_stage(recipe, cfg, out, data)
+    wall["data_and_prepare_s"] = clock() - t0
+    peak, peak_dtype = _matmul_peak(cfg, device)
+    t0 = clock()
+    runs, trained = _train_stage(recipe, cfg, data_.prepared, out, device, hooks)
+    wall["train_s"] = clock() - t0
+
+    t0 = clock()
+    averaged = _average_stage(recipe, runs)
     models, tokenizer, avg_cfg = load_ensemble(
         [run / "checkpoint_avg.pt" for run in runs], device=device
     )
     model = as_decoder(models)
-    wall["average_s"] = time.perf_counter() - t0
+    wall["average_s"] = clock() - t0
 
     decode, tuning = cfg.decode, None
     if recipe.tune_alpha:
-        t0 = time.perf_counter()
-        valid = [find_input(prefixes[recipe.valid_split], lang) for lang in (src, tgt)]
+        t0 = clock()
+        valid = [find_input(data_.prefixes[recipe.valid_split], lang) for lang in (src, tgt)]
         decode, tuning = tune_alpha(
             model,
             tokenizer,
@@ -511,33 +275,28 @@ def run_recipe(
             device=device,
         )
         tuning["split"] = recipe.valid_split
-        wall["tune_alpha_s"] = time.perf_counter() - t0
+        wall["tune_alpha_s"] = clock() - t0
 
-    t0 = time.perf_counter()
-    test_src, test_ref = (find_input(prefixes[recipe.test_split], lang) for lang in (src, tgt))
+    t0 = clock()
+    test_src, test_ref = (
+        find_input(data_.prefixes[recipe.test_split], lang) for lang in (src, tgt)
+    )
     hyp = out / f"{recipe.test_split}.{src}-{tgt}.hyp"
     summary = translate_file(model, tokenizer, test_src, hyp, decode, device=device)
-    wall["translate_s"] = time.perf_counter() - t0
+    wall["translate_s"] = clock() - t0
     scores = score_files(hyp, test_ref, tgt)
 
     train_record = {k: v for k, v in trained[0].items() if k not in ("flops", "seed")}
     flops = sum(t["flops"] for t in trained)
     if len(runs) > 1:
-        # the members' own test scores, at the same settings: what the ensemble adds
-        t0 = time.perf_counter()
-        members = []
-        for run, member, t, names in zip(runs, models, trained, averaged, strict=True):
-            member_hyp = run / hyp.name
+        t0 = clock()
+
+        def translate_and_score(member: Any, member_hyp: Path) -> Any:
             translate_file(member, tokenizer, test_src, member_hyp, decode, device=device)
-            members.append(
-                {
-                    "run": run.name,
-                    **t,
-                    "averaged": names,
-                    "scores": score_files(member_hyp, test_ref, tgt).to_dict(),
-                }
-            )
-        wall["translate_members_s"] = time.perf_counter() - t0
+            return score_files(member_hyp, test_ref, tgt)
+
+        members = _member_scores(runs, models, trained, averaged, translate_and_score, hyp.name)
+        wall["translate_members_s"] = clock() - t0
         # trained side by side: the stage's time is the longest member's, the tokens add up
         train_record.update(
             train_seconds=max(t["train_seconds"] for t in trained),
@@ -569,26 +328,15 @@ def run_recipe(
         # the decode settings the test set was translated with (alpha as tuned)
         "config": replace(avg_cfg, decode=decode).to_dict(),
         "data": {
-            "prepared_manifest_sha256": sha256_file(prepared / "manifest.json"),
-            "vocab_sha256": manifest["spm_model"]["sha256"],
-            "inputs": manifest["inputs"],
+            "prepared_manifest_sha256": sha256_file(data_.prepared / "manifest.json"),
+            "vocab_sha256": data_.manifest["spm_model"]["sha256"],
+            "inputs": data_.manifest["inputs"],
             "test": {"src": sha256_file(test_src), "tgt": sha256_file(test_ref)},
         },
         **environment(),
     }
     write_text_atomic(out / "results.json", json.dumps(results, indent=2) + "\n")
-    try:
-        labels: dict[str, str | Path] = (
-            {f"{src}-{tgt}": out}
-            if len(runs) == 1
-            else {
-                f"{src}-{tgt} {run.name} (seed {t['seed']})": run
-                for run, t in zip(runs, trained, strict=True)
-            }
-        )
-        plot_curves(labels, out / "curve.png", title=str(path))
-    except ImportError:
-        log.info("matplotlib is not installed (pip install 'aiayn[plot]'): no curve.png")
+    _plot(out, runs, trained, f"{src}-{tgt}", str(path))
     return results
 
 

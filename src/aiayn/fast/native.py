@@ -8,25 +8,26 @@ Why the beam step: each beam-search step turns the model's (rows, V) next-token 
 row's k best log-probabilities: log P = logit - logsumexp(logits). With PyTorch ops that is
 a bf16 -> float32 copy of the table, `logsumexp` (a max pass, a subtract, exp, a sum) and
 `search.row_topk` (a block-max pass, a gather, two top-ks): five or more passes over a
-table of 10 MB (256 rows x 10,000 tokens), ~4.6 ms a step on one thread, a large part of
-a small model's search. The C code reads each row once into a buffer that stays in
-cache and does all of it there (~1.3 ms for that table; docs/performance.md). For an
-int8 output layer, `lse_topk_int8` takes the layer's int32 products and scales them as it
-reads them, so the float table is never written.
+table of 10 MB (256 rows x 10,000 tokens), each from memory, a large part of a small
+model's search. The C code reads each row once into a buffer that stays in cache and does
+all of it there (measured: docs/performance.md, "C beam step"). For an int8 output layer,
+`lse_topk_int8` takes the layer's int32 products and scales them as it reads them, so the
+float table is never written.
 
 Why the attention: a decoding step attends from one new query per row, and written with
 PyTorch ops that is a few batched products of thousands of (1 x d_k) x (d_k x t)
-matrices (oneDNN's and MKL's calls cost 100-250 us each at these sizes), a softmax, and,
-with a key/value cache, a copy of the whole cache into a buffer one position longer every
-step (gathered by the beam's reordering). `cached_attention` leaves each step's keys and
-values where the projection wrote them and follows a per-row table of which row held the
-hypothesis at each position, so a reordering permutes that small table only;
-`memory_attention` attends to the encoder's keys and values, stored once per sentence.
+matrices (each oneDNN or MKL call's fixed cost outweighs its arithmetic at these sizes), a
+softmax, and, with a key/value cache, a copy of the whole cache into a buffer one position
+longer every step (gathered by the beam's reordering). `cached_attention` leaves each
+step's keys and values where the projection wrote them and follows a per-row table of
+which row held the hypothesis at each position, so a reordering permutes that small table
+only; `memory_attention` attends to the encoder's keys and values, stored once per
+sentence (measured: docs/performance.md, "C decoding attention").
 
 Why the dropout masks: PyTorch draws CPU random numbers one at a time from a Mersenne
-Twister on one thread (~3.7 ms for one (4,416 x 512) mask of a base training step, 32
-masks a step); `dropout_multiplier` draws them from a counter-based generator in
-vectorised C (~0.3 ms), seeded from PyTorch's generator.
+Twister on one thread, for each of a base training step's 32 masks; `dropout_multiplier`
+draws them from a counter-based generator in vectorised C, seeded from PyTorch's generator
+(measured: docs/performance.md, "Compiled dropout").
 
 Why the int8 passes: `inference.Int8Linear` quantizes each input row with its own scale
 before `torch._int_mm` and scales the int32 products back after it; with PyTorch ops that
@@ -38,16 +39,16 @@ Why the loss: `loss._smoothed_ce_rows` works through the (tokens, V) logits tabl
 row once into a buffer in cache and makes three passes there.
 
 Why BPE-dropout's segmentations: every epoch re-merges each of the 667,000 words of
-Multi30k's training pairs from their characters, a loop of small lookups: 0.54-0.64 s an
-epoch in C, 7.2 s in Python (`data._bpe_dropout_words`, the fallback; p = 0.1, an idle
-AMD EPYC VM).
+Multi30k's training pairs from their characters, a loop of small lookups, which C runs
+far faster than Python (`data._bpe_dropout_words`, the fallback; measured:
+docs/performance.md).
 
 Built on first use with the system's C compiler (`$CC`, else `cc`) for this CPU
 (`-march=native`), cached under `$AIAYN_CACHE_DIR` (default `~/.cache/aiayn`) by a key of
 the source, the flags, the compiler and the CPU's feature flags, and loaded with ctypes.
 Without a compiler, if the build fails, or with `AIAYN_NO_NATIVE=1`, `library()` is None
 and the callers use PyTorch ops: the same results up to float rounding
-(tests/test_native.py compares them).
+(tests/fast/test_native.py compares them).
 """
 
 from __future__ import annotations
@@ -649,9 +650,9 @@ def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor] | None:
     q = torch.empty(r, k, dtype=torch.int8)
     scale = torch.empty(r, dtype=torch.float32)
 
-    # one thread: handing half the rows to the helper thread cost ~30 us a call, more than
-    # these passes take at decoding sizes (~10 us for 256 x 128; 190 us to dequantize
-    # 256 x 8,000, which two threads did not speed up)
+    # one thread: handing half the rows to the helper thread costs more than these passes
+    # take at decoding sizes, and two threads did not speed up even the output layer's
+    # dequantizing (measured: docs/performance.md)
     lib.aiayn_quantize_rows(x.data_ptr(), x.stride(0), 0, r, k, q.data_ptr(), scale.data_ptr())
     return q, scale
 

@@ -182,6 +182,20 @@ class StopSignal:
             signal.signal(sig, handler)
 
 
+@dataclass
+class LoopState:
+    """What the loop of `Trainer.run` carries from step to step."""
+
+    stream: Any  # (epoch, position, batch) forever: Trainer._batch_stream
+    stop: StopSignal
+    pace: Pace
+    start_step: int
+    last_save: float = field(default_factory=time.monotonic)
+    consecutive_bad: int = 0  # non-finite updates in a row
+    recent_losses: list[float] = field(default_factory=list)  # for the divergence guard
+    window: list[float] = field(default_factory=lambda: [0.0, 0.0, 0])  # since the last log
+
+
 class TrainerGuards:
     """The guards' methods of `Trainer` (a mixin: they read and change its state)."""
 
@@ -208,6 +222,51 @@ class TrainerGuards:
 
     def _loss(self, net: nn.Module, batch: Batch) -> tuple[Tensor, Tensor]:
         raise NotImplementedError
+
+    def _batch_stream(self) -> Any:
+        raise NotImplementedError
+
+    def _after_skipped_update(self, loop: LoopState) -> None:
+        """C1/C2: a non-finite update was skipped: log it; after
+        MAX_CONSECUTIVE_NONFINITE in a row, stop with the evidence (`_crash`)."""
+        loop.consecutive_bad += 1
+        log.warning(
+            "non-finite loss or gradient at step %d: update skipped (%d so far)",
+            self.state.step + 1,
+            self.state.nonfinite_skipped,
+        )
+        self._log(
+            {
+                "step": self.state.step + 1,
+                "event": "nonfinite_skipped",
+                "count": self.state.nonfinite_skipped,
+            }
+        )
+        if loop.consecutive_bad >= MAX_CONSECUTIVE_NONFINITE:
+            raise self._crash(loop.consecutive_bad)
+
+    def _rolled_back(self, loop: LoopState, loss: float) -> bool:
+        """C4: with train.divergence on, add step's loss to the window; if the loss
+        diverged, stop ("stop") or roll back to a checkpoint from before it and continue
+        from there with a fresh batch stream ("rollback"): True when rolled back."""
+        t = self.cfg.train
+        if t.divergence == "off":
+            return False
+        keep = t.divergence_window + t.divergence_short
+        loop.recent_losses = [*loop.recent_losses[-keep:], loss]
+        if not self._diverged(loop.recent_losses):
+            return False
+        short = loop.recent_losses[-t.divergence_short :]
+        reason = (
+            f"loss diverged at step {self.state.step}: mean {sum(short) / len(short):.3f}"
+            f" over the last {len(short)} steps"
+        )
+        if t.divergence == "stop":
+            raise TrainingError(reason + " (train.divergence = 'stop')")
+        self.rollback(self.state.step - t.divergence_short, reason)
+        loop.stream.close()
+        loop.stream, loop.recent_losses = self._batch_stream(), []
+        return True
 
     def rollback(self, onset_step: int, reason: str) -> Path:
         """Reload the newest valid checkpoint from before `onset_step` (the divergence

@@ -35,7 +35,7 @@ from aiayn.training.distributed import init_from_env, shutdown
 from aiayn.training.epochs import batches_from
 from aiayn.training.faults import Faults
 from aiayn.training.guards import (
-    MAX_CONSECUTIVE_NONFINITE,
+    LoopState,
     Pace,
     StopSignal,
     TrainerGuards,
@@ -427,16 +427,9 @@ class Trainer(TrainerGuards):
             return True
         return False
 
-    def run(self) -> TrainResult:
-        """Train until max_steps or max_minutes, saving and validating at intervals."""
+    def _announce(self) -> None:
+        """Before the first step: the config beside the checkpoints, and what will run."""
         t = self.cfg.train
-        result = TrainResult(self.state, self.run_dir, None)
-        if self.state.step >= t.max_steps:
-            log.warning(
-                "already at step %d >= max_steps %d: nothing to do", self.state.step, t.max_steps
-            )
-            result.stopped_by = "already_done"
-            return result
         if self.dist.is_main:
             write_text_atomic(
                 self.run_dir / "config.json", json.dumps(self.cfg.to_dict(), indent=2) + "\n"
@@ -459,134 +452,128 @@ class Trainer(TrainerGuards):
                 2 * len(self.train_data),
             )
         if t.dtype == "bf16" and self.dist.is_main:
-            warning = slow_bf16_warning(self.device)
-            if warning:
-                log.warning(warning)
-                self._log({"step": self.state.step, "event": "slow_bf16", "message": warning})
-            if (
-                t.bpe_dropout > 0
-                and self.device.type == "cpu"
-                and os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY")
-                == str(ONEDNN_PRIMITIVE_CACHE_CAPACITY)
-            ):
-                log.warning(
-                    "BPE-dropout brings new batch shapes every epoch, and aiayn's "
-                    "large oneDNN kernel cache (%d) then keeps growing (memory, "
-                    "slower steps): start with ONEDNN_PRIMITIVE_CACHE_CAPACITY=1024 "
-                    "(docs/performance.md)",
-                    ONEDNN_PRIMITIVE_CACHE_CAPACITY,
-                )
+            self._warn_about_bf16()
+
+    def _warn_about_bf16(self) -> None:
+        warning = slow_bf16_warning(self.device)
+        if warning:
+            log.warning(warning)
+            self._log({"step": self.state.step, "event": "slow_bf16", "message": warning})
+        if (
+            self.cfg.train.bpe_dropout > 0
+            and self.device.type == "cpu"
+            and os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY")
+            == str(ONEDNN_PRIMITIVE_CACHE_CAPACITY)
+        ):
+            log.warning(
+                "BPE-dropout brings new batch shapes every epoch, and aiayn's "
+                "large oneDNN kernel cache (%d) then keeps growing (memory, "
+                "slower steps): start with ONEDNN_PRIMITIVE_CACHE_CAPACITY=1024 "
+                "(docs/performance.md)",
+                ONEDNN_PRIMITIVE_CACHE_CAPACITY,
+            )
+
+    def _log_interval(self, loop: LoopState, step: int, stats: dict[str, float]) -> None:
+        """Every log_interval_steps a line of train_log.jsonl: loss and NLL as means over
+        the interval's target tokens (one batch's value is too noisy to plot), the rest as
+        this step's."""
+        n = int(stats["tgt_tokens"])
+        loop.window = [
+            loop.window[0] + stats["loss"] * n,
+            loop.window[1] + stats["nll"] * n,
+            int(loop.window[2]) + n,
+        ]
+        if step % self.cfg.train.log_interval_steps:
+            return
+        tokens = max(int(loop.window[2]), 1)
+        self._log(
+            {
+                "step": step,
+                "time": self.state.train_seconds,
+                "epoch": self.state.epoch,
+                **stats,
+                "loss": loop.window[0] / tokens,
+                "nll": loop.window[1] / tokens,
+            }
+        )
+        loop.window = [0.0, 0.0, 0]
+
+    def _end_of_step(self, loop: LoopState, step: int, result: TrainResult) -> bool:
+        """Validate, save and decide whether to stop, after step `step`: True to stop (the
+        reason in `result.stopped_by`)."""
+        t = self.cfg.train
+        impatient = False
+        if step % t.valid_interval_steps == 0:
+            impatient = self._validate_and_check_patience()
+        out_of_time = t.max_minutes > 0 and self.state.train_seconds >= 60 * t.max_minutes
+        due_by_time = (
+            t.save_interval_minutes > 0
+            and time.monotonic() - loop.last_save >= 60 * t.save_interval_minutes
+        )
+        # Decided together: each rank's clock and signals are its own.
+        out_of_time, stopping, due_by_time, impatient = self.dist.any_each(
+            [out_of_time, loop.stop.received is not None, due_by_time, impatient], self.device
+        )
+        due = due_by_time or (t.save_interval_steps > 0 and step % t.save_interval_steps == 0)
+        finished = step >= t.max_steps or out_of_time or stopping or impatient
+        if due or finished:
+            result.last_checkpoint = self.save()
+            loop.last_save = time.monotonic()
+        if out_of_time:
+            result.stopped_by = "max_minutes"
+        elif stopping:
+            result.stopped_by = signal.Signals(loop.stop.received or signal.SIGTERM).name
+        elif impatient:
+            result.stopped_by = "patience"
+        return out_of_time or stopping or impatient
+
+    def run(self) -> TrainResult:
+        """Train until max_steps or max_minutes, saving and validating at intervals."""
+        t = self.cfg.train
+        result = TrainResult(self.state, self.run_dir, None)
+        if self.state.step >= t.max_steps:
+            log.warning(
+                "already at step %d >= max_steps %d: nothing to do", self.state.step, t.max_steps
+            )
+            result.stopped_by = "already_done"
+            return result
+        self._announce()
         self.model.train()
         if t.preflight:
             self.preflight()
-        stream = self._batch_stream()
-        last_save = time.monotonic()
-        consecutive_bad = 0
-        recent_losses: list[float] = []  # for the divergence guard
-        window = [0.0, 0.0, 0]  # loss and NLL sums, target tokens since the last log line
-        start_step = self.state.step
-        pace = Pace(60 * t.max_minutes, self.state.train_seconds)
         with contextlib.closing(self), StopSignal() as stop, contextlib.ExitStack() as done:
-            done.callback(lambda: stream.close())  # the stream in use then (rollbacks)
+            loop = LoopState(
+                self._batch_stream(),
+                stop,
+                Pace(60 * t.max_minutes, self.state.train_seconds),
+                start_step=self.state.step,
+            )
+            done.callback(lambda: loop.stream.close())  # the stream in use then (rollbacks)
             while self.state.step < t.max_steps:
                 t0 = time.perf_counter()
-                stats = self._update(stream)
+                stats = self._update(loop.stream)
                 dt = time.perf_counter() - t0
                 self.state.train_seconds += dt
                 if "oom" in stats:
                     continue
                 stats["tokens_per_s"] = (stats["src_tokens"] + stats["tgt_tokens"]) / dt
                 if "skipped" in stats:
-                    consecutive_bad += 1
-                    log.warning(
-                        "non-finite loss or gradient at step %d: update skipped (%d so far)",
-                        self.state.step + 1,
-                        self.state.nonfinite_skipped,
-                    )
-                    self._log(
-                        {
-                            "step": self.state.step + 1,
-                            "event": "nonfinite_skipped",
-                            "count": self.state.nonfinite_skipped,
-                        }
-                    )
-                    if consecutive_bad >= MAX_CONSECUTIVE_NONFINITE:
-                        raise self._crash(consecutive_bad)
+                    self._after_skipped_update(loop)
                     continue
-                consecutive_bad = 0
+                loop.consecutive_bad = 0
                 step = self.state.step
-                if t.divergence != "off":
-                    recent_losses = [
-                        *recent_losses[-t.divergence_window - t.divergence_short :],
-                        stats["loss"],
-                    ]
-                    if self._diverged(recent_losses):
-                        short = recent_losses[-t.divergence_short :]
-                        reason = (
-                            f"loss diverged at step {step}: mean "
-                            f"{sum(short) / len(short):.3f}"
-                            f" over the last {len(short)} steps"
-                        )
-                        if t.divergence == "stop":
-                            raise TrainingError(reason + " (train.divergence = 'stop')")
-                        self.rollback(step - t.divergence_short, reason)
-                        stream.close()
-                        stream, recent_losses = self._batch_stream(), []
-                        continue
+                if self._rolled_back(loop, stats["loss"]):
+                    continue
                 result.history.append({"step": step, **stats})
-                per_step = pace.seconds_per_step(step - start_step, self.state.train_seconds)
+                per_step = loop.pace.seconds_per_step(
+                    step - loop.start_step, self.state.train_seconds
+                )
                 if per_step is not None:
                     self._check_pace(step, per_step)
                 if self.hooks.on_step:
                     self.hooks.on_step(step, stats)
-                n = int(stats["tgt_tokens"])
-                window = [
-                    window[0] + stats["loss"] * n,
-                    window[1] + stats["nll"] * n,
-                    int(window[2]) + n,
-                ]
-                if step % t.log_interval_steps == 0:
-                    # The logged loss and NLL are means over the interval's target tokens
-                    # (one batch's value is too noisy to plot); the rest is this step's.
-                    tokens = max(int(window[2]), 1)
-                    self._log(
-                        {
-                            "step": step,
-                            "time": self.state.train_seconds,
-                            "epoch": self.state.epoch,
-                            **stats,
-                            "loss": window[0] / tokens,
-                            "nll": window[1] / tokens,
-                        }
-                    )
-                    window = [0.0, 0.0, 0]
-                impatient = False
-                if step % t.valid_interval_steps == 0:
-                    impatient = self._validate_and_check_patience()
-                out_of_time = t.max_minutes > 0 and self.state.train_seconds >= 60 * t.max_minutes
-                due_by_time = (
-                    t.save_interval_minutes > 0
-                    and time.monotonic() - last_save >= 60 * t.save_interval_minutes
-                )
-                # Decided together: each rank's clock and signals are its own.
-                out_of_time, stopping, due_by_time, impatient = self.dist.any_each(
-                    [out_of_time, stop.received is not None, due_by_time, impatient], self.device
-                )
-                due = due_by_time or (
-                    t.save_interval_steps > 0 and step % t.save_interval_steps == 0
-                )
-                finished = step >= t.max_steps or out_of_time or stopping or impatient
-                if due or finished:
-                    result.last_checkpoint = self.save()
-                    last_save = time.monotonic()
-                if out_of_time:
-                    result.stopped_by = "max_minutes"
-                    break
-                if stopping:
-                    result.stopped_by = signal.Signals(stop.received or signal.SIGTERM).name
-                    break
-                if impatient:
-                    result.stopped_by = "patience"
+                self._log_interval(loop, step, stats)
+                if self._end_of_step(loop, step, result):
                     break
         if result.stopped_by in ("max_steps", "max_minutes") and (
             self.state.step % t.valid_interval_steps

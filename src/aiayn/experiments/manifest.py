@@ -1,0 +1,75 @@
+"""The machine and software a run ran on, recorded in its results.json."""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    pass
+
+log = logging.getLogger(__name__)
+
+
+def environment() -> dict[str, Any]:
+    """Library versions and machine, for the manifest."""
+    versions: dict[str, str | None] = {}
+    for name in ("aiayn", "torch", "sentencepiece", "sacrebleu", "sacremoses", "numpy"):
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    machine: dict[str, Any] = {
+        "platform": platform.platform(),
+        "processor": _cpu_name(),
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": sys.version.split()[0],
+        **cpu_kernels(),
+    }
+    if torch.cuda.is_available():
+        machine["cuda_devices"] = [
+            torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())
+        ]
+    return {"versions": versions, "machine": machine}
+
+
+def cpu_kernels() -> dict[str, Any]:
+    """Which vector units PyTorch and oneDNN use on this CPU.
+
+    They choose oneDNN's kernels, and so how a bf16 run's sums round: the same seed
+    reproduced bit for bit on Sapphire Rapids VMs (AMX) and gave another run, a few tenths
+    of BLEU apart (inside the seeds' spread), on an AVX-512 BF16 CPU without AMX
+    (measured: docs/results.md).
+    """
+    flags = set(_cpuinfo("flags").split())
+    return {
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "avx512_bf16": "avx512_bf16" in flags,
+        "amx_bf16": "amx_bf16" in flags,
+    }
+
+
+def _cpu_name() -> str:
+    return _cpuinfo("model name") or platform.processor()
+
+
+def _cpuinfo(field: str) -> str:
+    """The first value of `field` in /proc/cpuinfo ("" where there is none, e.g. macOS)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(field):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+# --------------------------------------------------------------------------- ensemble members

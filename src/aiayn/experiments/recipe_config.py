@@ -1,0 +1,133 @@
+"""The [recipe] table of an experiment file: what a recipe needs beyond the model,
+training and decoding settings, with `--set recipe.KEY=VALUE` overrides."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from aiayn.config import (
+    Config,
+    ConfigError,
+    apply_overrides,
+    coerce_value,
+    load_experiment,
+)
+
+if TYPE_CHECKING:
+    pass
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RecipeConfig:
+    """The [recipe] table of an experiment file."""
+
+    dataset: str = "multi30k"
+    source_lang: str = "en"
+    target_lang: str = "de"
+    vocab_size: int = 8000
+    train_split: str = "train"
+    valid_split: str = "val"
+    test_split: str = "test_2016_flickr"
+    average_last: int = 5  # checkpoints averaged (section 6.1: 5 for base, 20 for big)
+    max_train_pairs: int = 0  # 0 = all; a smaller number makes a quick smoke run
+    max_test_pairs: int = 0  # 0 = all; likewise for the test set (and the tune_alpha sentences)
+    # Length penalties tried on the validation set once training is done; the one with the
+    # best sacreBLEU decodes the test set. Section 6.1: beam size and alpha "were chosen
+    # after experimentation on the development set". Empty: decode.alpha as configured.
+    tune_alpha: tuple[float, ...] = ()
+    # Train, translate and score lowercased text, as many published Multi30k systems do
+    # (trained on the shared task's lowercased, tokenized files, scored on lowercased
+    # text). The vocabulary lowercases what it encodes, so the checkpoint lowercases any
+    # input it translates. Off by default: the translations then have no capitals, and
+    # sacreBLEU is computed against lowercased references.
+    lowercase: bool = False
+    # Beyond the paper (its rows are single models): train this many models at once, seeds
+    # train.seed, train.seed + 1, ..., each in its own process on an equal share of the
+    # CPU threads, each averaged, and translate with their ensemble (`aiayn.decoding.ensemble`: the
+    # mean of their next-token probabilities). The run directory then holds member1/ ...
+    # memberK/, each a training run of its own. 1: one model, the paper's recipe.
+    ensemble: int = 1
+
+
+def parse_recipe(table: dict[str, Any], where: str) -> RecipeConfig:
+    """The [recipe] table as a RecipeConfig; an unknown key is an error naming the closest."""
+    import difflib
+
+    names = {f.name: f for f in fields(RecipeConfig)}
+    for key in table:
+        if key not in names:
+            close = difflib.get_close_matches(key, list(names), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{where}: unknown key recipe.{key!r}{hint}")
+    if "tune_alpha" in table:
+        grid = table["tune_alpha"]
+        if not isinstance(grid, list | tuple) or not all(
+            isinstance(a, int | float) and not isinstance(a, bool) and a >= 0 for a in grid
+        ):
+            raise ConfigError(
+                f"{where}: recipe.tune_alpha must be a list of numbers >= 0, got {grid!r}"
+            )
+        table = {**table, "tune_alpha": tuple(float(a) for a in grid)}
+    recipe = RecipeConfig(**table)
+    if recipe.dataset != "multi30k":
+        raise ConfigError(f"{where}: recipe.dataset must be 'multi30k', got {recipe.dataset!r}")
+    if (
+        recipe.average_last < 1
+        or recipe.vocab_size < 10
+        or recipe.max_train_pairs < 0
+        or recipe.max_test_pairs < 0
+        or recipe.ensemble < 1
+    ):
+        raise ConfigError(
+            f"{where}: recipe.average_last >= 1, vocab_size >= 10, "
+            "max_train_pairs >= 0, max_test_pairs >= 0 and ensemble >= 1 "
+            "are required"
+        )
+    return recipe
+
+
+def type_like(cls: type, key: str, value: Any) -> Any:
+    """A --set string as the type of the RecipeConfig field it sets."""
+    name = key.removeprefix("recipe.")
+    default = {f.name: f.default for f in fields(cls)}.get(name)
+    if isinstance(default, tuple) and isinstance(value, str):  # "0.6,1.0" -> [0.6, 1.0]
+        try:
+            return [float(x) for x in value.split(",") if x.strip()]
+        except ValueError:
+            raise ConfigError(f"{key} must be comma-separated numbers, got {value!r}") from None
+    if isinstance(default, bool) and isinstance(value, str):
+        return coerce_value(key, default, value)
+    if isinstance(default, int) and isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:
+            raise ConfigError(f"{key} must be an integer, got {value!r}") from None
+    return value
+
+
+def load_recipe(
+    path: str | Path, overrides: dict[str, Any] | None = None
+) -> tuple[Config, RecipeConfig]:
+    """Read an experiment file with a [recipe] table; `overrides` are --set values."""
+    cfg, extra = load_experiment(path)
+    unknown = set(extra) - {"recipe"}
+    if unknown:
+        raise ConfigError(f"{path}: unknown table(s) {sorted(unknown)}")
+    overrides = dict(overrides or {})
+    table = dict(extra.get("recipe", {}))
+    for key in [k for k in overrides if k.startswith("recipe.")]:
+        table[key.removeprefix("recipe.")] = type_like(RecipeConfig, key, overrides.pop(key))
+    recipe = parse_recipe(table, str(path))
+    if overrides:
+        cfg = apply_overrides(cfg, overrides)
+    if cfg.train.keep_last < recipe.average_last:
+        raise ConfigError(
+            f"{path}: train.keep_last ({cfg.train.keep_last}) must be at least "
+            f"recipe.average_last ({recipe.average_last})"
+        )
+    return cfg, recipe
