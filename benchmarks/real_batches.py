@@ -32,7 +32,8 @@ import torch
 import aiayn  # noqa: F401  # sets oneDNN's kernel cache before the first product
 from aiayn.config import get_preset, load_experiment
 from aiayn.data.batching import collate, token_batches
-from aiayn.data.prepare import BPEDropout, load_corpus
+from aiayn.data.bpe_dropout import BPEDropout
+from aiayn.data.corpus import load_corpus
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.model import Transformer
 from aiayn.training.loss import generator_loss

@@ -78,8 +78,10 @@ def test_no_module_imports_a_higher_layer() -> None:
         for target, line in imports(path, known):
             a, b = unit(name), unit(target)
             if a != b and LAYERS[b] >= LAYERS[a]:
-                wrong.append(f"{path.relative_to(ROOT)}:{line}: {name} ({a}, layer "
-                             f"{LAYERS[a]}) imports {target} ({b}, layer {LAYERS[b]})")
+                wrong.append(
+                    f"{path.relative_to(ROOT)}:{line}: {name} ({a}, layer "
+                    f"{LAYERS[a]}) imports {target} ({b}, layer {LAYERS[b]})"
+                )
     assert not wrong, "\n".join(wrong)
 
 
@@ -93,7 +95,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if nxt not in state and (cycle := visit(nxt)):
                 return cycle
         path.pop()
@@ -108,8 +110,10 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_no_import_cycles() -> None:
     known = modules()
-    graph = {name: {t for t, _ in imports(path, known) if t != name and t in known}
-             for name, path in known.items()}
+    graph = {
+        name: {t for t, _ in imports(path, known) if t != name and t in known}
+        for name, path in known.items()
+    }
     # a package's __init__ may gather its own modules; they import each other, not it
     for name in graph:
         graph[name] -= {p for p in graph[name] if name.startswith(p + ".")}

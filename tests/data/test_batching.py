@@ -7,7 +7,7 @@ import torch
 
 from aiayn.config import BOS_ID, EOS_ID, PAD_ID
 from aiayn.data.batching import Batch, Prefetch, collate, decode_batches, pad_right, token_batches
-from aiayn.data.prepare import Corpus
+from aiayn.data.corpus import Corpus
 
 
 class ListCorpus:

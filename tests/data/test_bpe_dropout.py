@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from aiayn.config import ConfigError
-from aiayn.data.prepare import BPEDropout, _bpe_dropout_words, load_corpus, load_tokenizer
+from aiayn.data.bpe_dropout import BPEDropout, _bpe_dropout_words
+from aiayn.data.corpus import load_corpus, load_tokenizer
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.fast import native
 from aiayn.files import read_lines
@@ -167,8 +168,9 @@ def test_another_process_draws_the_same_epoch(small_data: Path) -> None:
     """What removed the first version of this option: sentencepiece's seeded sampling
     differed between processes. These draws come from (seed, word) only."""
     code = (
-        "import sys, hashlib, json; from aiayn.data.prepare import BPEDropout, load_corpus, "
-        "load_tokenizer\n"
+        "import sys, hashlib, json\n"
+        "from aiayn.data.bpe_dropout import BPEDropout\n"
+        "from aiayn.data.corpus import load_corpus, load_tokenizer\n"
         "d = sys.argv[1]; c = load_corpus(d, 'train')\n"
         "e = BPEDropout(c, load_tokenizer(d), 0.1, 256).epoch(42)\n"
         "print(json.dumps([[e.src(i), e.tgt(i)] for i in range(len(c))]))"

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from aiayn.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID
-from aiayn.data.prepare import Corpus, load_corpus, load_manifest, load_tokenizer, prepare
 from aiayn.data import prepare as data
+from aiayn.data.corpus import Corpus, load_corpus, load_manifest, load_tokenizer
+from aiayn.data.prepare import prepare
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.files import InputError, count_lines, read_lines, sha256_file
 from helpers import MULTI30K  # noqa: E402

@@ -22,7 +22,7 @@ import torch
 from aiayn.checkpoints import load_checkpoint
 from aiayn.config import apply_overrides, get_preset
 from aiayn.data.batching import token_batches
-from aiayn.data.prepare import load_corpus
+from aiayn.data.corpus import load_corpus
 from aiayn.training.trainer import Hooks, Trainer, train
 
 SMALL = {

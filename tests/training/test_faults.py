@@ -260,7 +260,7 @@ def test_largest_batches_are_the_largest_of_the_epoch(small_data: Path) -> None:
     """C7's choice of batches, checked against the padded tensors `collate` builds for every
     batch of the epoch: the most tokens, the most attention weights, the most logits."""
     from aiayn.data.batching import collate, token_batches
-    from aiayn.data.prepare import load_corpus
+    from aiayn.data.corpus import load_corpus
     from aiayn.training.guards import largest_batches
 
     corpus = load_corpus(small_data, "train")

@@ -14,7 +14,7 @@ import torch
 
 from aiayn.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID, ConfigError
 from aiayn.data.batching import Batch, collate
-from aiayn.data.prepare import load_corpus
+from aiayn.data.corpus import load_corpus
 from aiayn.training.trainer import train
 from helpers import SMALL_TRAINING, losses_after_crash_and_resume, step_losses, tiny_config
 

@@ -91,7 +91,8 @@ class Batch:
 def pad_right(seqs: list[list[int]], pad_id: int = PAD_ID) -> torch.Tensor:
     """Stack sequences into a (B, max_len) long tensor, padded on the right."""
     width = max((len(s) for s in seqs), default=0)
-    # One tensor from padded lists: a copy per row costs ~50 ms a training step.
+    # One tensor from padded lists: a copy per row costs a training step far more
+    # (measured: docs/performance.md).
     return torch.tensor([s + [pad_id] * (width - len(s)) for s in seqs], dtype=torch.long).view(
         len(seqs), width
     )
@@ -240,11 +241,11 @@ class Prefetch(Generic[T]):
 
     Why: on a GPU the training step waits for the GPU's result (the loss, the gradient
     norm) before the next step's batch is built, and building one of the paper's
-    ~25,000-token batches takes ~10-20 ms of Python (`collate`), during which the GPU
-    idles. Here the next batches are built while the main thread waits on the GPU, whose
-    waits release the GIL. The items and their order are the iterator's own: only the
-    time they are made changes. Exceptions reach the consumer at the item that raised.
-    `close()` stops the thread (a rollback starts a new stream).
+    ~25,000-token batches is milliseconds of Python (`collate`), during which the GPU
+    idles (measured: docs/performance.md). Here the next batches are built while the main
+    thread waits on the GPU, whose waits release the GIL. The items and their order are
+    the iterator's own: only the time they are made changes. Exceptions reach the consumer
+    at the item that raised. `close()` stops the thread (a rollback starts a new stream).
     """
 
     _END = object()

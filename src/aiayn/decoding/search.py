@@ -196,7 +196,8 @@ def best_next_tokens(
     return top - lse, token
 
 
-#: Columns per block in `row_topk`; 64 measured fastest for V 8,000-10,000 and k 4-8.
+#: Columns per block in `row_topk`: the fastest of the sizes tried for vocabularies of
+#: 8,000-10,000 and beams of 4-8 (measured: docs/performance.md).
 TOPK_BLOCK = 64
 
 
@@ -204,16 +205,16 @@ def row_topk(x: Tensor, k: int, block: int = TOPK_BLOCK) -> tuple[Tensor, Tensor
     """The k largest values of each row of a 2-D table and their columns, largest first:
     the same values as ``x.topk(k, dim=1)``, found in two passes on the CPU.
 
-    torch.topk on the CPU costs ~3.4 ms for (256, 10,000) float32 logits (one thread),
-    11-14% of a tiny model's beam-4 search of 64 sentences in a profile. Here each row is
+    torch.topk on the CPU walks each whole row, and with a vocabulary-wide row per
+    hypothesis it is a noticeable part of a small model's beam search. Here each row is
     cut into blocks of `block` columns; a row's k largest values lie in the k blocks with
     the largest maxima (a block left out has a maximum no larger than each of k chosen
     blocks' maxima, so it can only hold ties of the k-th value), so one pass takes the
     block maxima and torch.topk then runs on k blocks (plus the remainder columns)
-    instead of the row: ~1.3 ms for the table above. Among exactly equal values, which
-    columns are returned is unspecified, as with torch.topk (whose choice among ties is
-    not the lowest column either); each row is searched on its own, so results do not
-    depend on the batch.
+    instead of the row (measured: docs/performance.md, "C beam step", whose fallback
+    this is). Among exactly equal values, which columns are returned is unspecified, as
+    with torch.topk (whose choice among ties is not the lowest column either); each row is
+    searched on its own, so results do not depend on the batch.
     """
     r, v = x.shape
     nb = v // block

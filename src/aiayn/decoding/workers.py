@@ -2,9 +2,9 @@
 
 A decoding step is ~1,300 small operators; with two threads each of them is split across
 both cores, which then meet ~1,300 times a step. Handing whole batches to single-threaded
-processes instead, as CTranslate2's `inter_threads` does, decoded 1.2-1.6x more sentences
-per second on a 2-core CPU with 64-sentence batches; with batches large enough to keep
-both threads busy, no gain showed (docs/performance.md).
+processes instead, as CTranslate2's `inter_threads` does, decoded more sentences per
+second on a 2-core CPU with 64-sentence batches; with batches large enough to keep both
+threads busy, no gain showed (measured: docs/performance.md, "Worker processes").
 
 The workers are forked: they share the model's memory (copy-on-write), and only batch
 numbers and results cross between processes. A forked process may use only one OpenMP
@@ -56,12 +56,13 @@ def check_workers(workers: int, device: str | torch.device = "cpu") -> None:
 def gc_frozen() -> Iterator[None]:
     """The objects that exist now out of the garbage collector's sight until the block ends
     (`gc.freeze`). Decoding allocates enough short-lived objects to start collections, and
-    each full one traversed every object of the process: ~9 ms of a 330 ms batch (tiny
-    int8, beam 4, 64 sentences; 0.1 ms frozen). A forked worker inherits the frozen
-    objects, and no collection there touches their pages, so copy-on-write keeps them
-    shared (as Python's documentation of gc.freeze advises). Unfrozen at the end, so that
-    nothing stays out of the collector's reach for longer, unless the caller had frozen
-    objects itself (gc cannot unfreeze only some): then they all stay frozen."""
+    each full one traversed every object of the process, a measurable part of a small
+    model's batch; frozen, they have almost nothing to traverse (measured:
+    docs/performance.md). A forked worker inherits the frozen objects, and no collection
+    there touches their pages, so copy-on-write keeps them shared (as Python's
+    documentation of gc.freeze advises). Unfrozen at the end, so that nothing stays out of
+    the collector's reach for longer, unless the caller had frozen objects itself (gc
+    cannot unfreeze only some): then they all stay frozen."""
     frozen_before = gc.get_freeze_count() > 0
     gc.freeze()
     try:

@@ -1,5 +1,6 @@
-"""The Triton kernels of `aiayn.fast.kernels` (imported on first use: importing Triton takes
-~0.2 s, which CPU runs should not pay). See that module for the math."""
+"""The Triton kernels of `aiayn.fast.kernels` (imported on first use: importing Triton is
+slow, and CPU runs should not pay for it; measured: docs/performance.md). See that module
+for the math."""
 
 import triton
 import triton.language as tl

@@ -78,7 +78,7 @@ def training_flops(
 
 def peak_size(device: str | torch.device = "cpu") -> int:
     """The product size that measures a device's ceiling: 2048 on a CPU, 8192 on a GPU
-    (a 2048 product is too small to keep an H100 busy)."""
+    (a 2048 product is too small to keep a large GPU busy)."""
     return 8192 if torch.device(device).type == "cuda" else 2048
 
 
@@ -120,7 +120,7 @@ def matmul_peak(
 
 
 #: bf16 counts as slow when its products run below this fraction of float32's (a margin for
-#: timing noise: where bf16 is emulated, the measured gap is 2x to ~50-180x, see below).
+#: timing noise: where bf16 is emulated, the gap is far wider than that, see below).
 SLOW_BF16_FRACTION = 0.8
 
 
@@ -128,12 +128,13 @@ def slow_bf16_warning(device: str | torch.device = "cpu", n: int = 512) -> str |
     """A warning when bf16 matrix products are slower than float32 on this CPU, else None.
 
     bf16 autocast pays only where the CPU multiplies bf16 natively (AVX-512 BF16 or AMX;
-    the configs' `dtype = "bf16"` was sized on AMX, where it is ~6x float32). Elsewhere
-    it is emulated: measured on an AMD EPYC VM with oneDNN held to older instruction sets
-    (`ONEDNN_MAX_CPU_ISA`), 512-1024^3 products ran 2.4x slower than float32 with AVX-512
-    but no BF16 (Skylake, Cascade Lake), and ~50-180x slower with AVX2 only, where PyTorch
-    falls back to its generic kernel. Measuring (~20 ms here, 0.56 s held to AVX2) rather
-    than reading CPU flags also catches a PyTorch build without oneDNN.
+    the configs' `dtype = "bf16"` was sized on AMX, where it is several times float32's
+    rate). Elsewhere it is slower than float32: with AVX-512 but no BF16 (Skylake,
+    Cascade Lake) oneDNN emulates it, and with AVX2 only PyTorch falls back to its
+    generic kernel, far slower still (measured with oneDNN held to older instruction sets
+    by `ONEDNN_MAX_CPU_ISA`: docs/performance.md, "Settings the CLI applies").
+    Measuring (a fraction of a second even where bf16 is emulated) rather than reading CPU
+    flags also catches a PyTorch build without oneDNN.
     """
     if torch.device(device).type != "cpu":
         return None
@@ -151,6 +152,6 @@ def slow_bf16_warning(device: str | torch.device = "cpu", n: int = 512) -> str |
 @functools.cache
 def cpu_matmul_rates(n: int = 512) -> tuple[float, float]:
     """(float32, bf16) n^3 product rates on the CPU (FLOP/s), measured once per process:
-    small enough to take under a second where bf16 is emulated (a 2048^3 bf16 product
-    took ~17 s with oneDNN held to AVX2)."""
+    small enough to take under a second where bf16 is emulated (a 2048^3 bf16 product,
+    the size of `peak_size`, takes many seconds there: docs/performance.md)."""
     return (matmul_peak(torch.float32, n=n, repeats=3), matmul_peak(torch.bfloat16, n=n, repeats=3))

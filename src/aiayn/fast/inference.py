@@ -29,9 +29,9 @@ class PackedLinear(nn.Module):
     `F.linear` on bf16 CPU tensors runs oneDNN's AMX matmul on the plain (out, in) weight,
     which it repacks into AMX's blocked layout on every call; in a beam search the same
     weights are used ~20 times per batch. Packed once, the products of a decoding step
-    (rows 64-1,024, d_model 512) ran 1.1-1.5x faster, with the same results but for an
-    occasional last-bit difference in some shapes (the reduction is blocked differently;
-    docs/performance.md). Inference only: there is no gradient, and changing `weight`
+    skip that repacking, with the same results but for an occasional last-bit difference
+    in some shapes (the reduction is blocked differently; measured: docs/performance.md,
+    "bf16 packed weights"). Inference only: there is no gradient, and changing `weight`
     afterwards does not change the packed copy. `weight` and `bias` stay parameters, so
     state_dict keys and tied embeddings are unchanged.
     """
@@ -70,8 +70,9 @@ class PackedLinear(nn.Module):
 
 
 #: int32 products per block of `Int8Linear.lse_topk` (a block of columns for all the rows):
-#: about a core's L2 cache (for 256 rows x 10,000 columns on an AMD EPYC VM, 256 KiB-4 MiB
-#: measured, 1-2 MiB fastest: docs/performance.md).
+#: about a core's L2 cache, so that the beam step reads each block from cache; smaller
+#: blocks pay more per-product call costs, larger ones spill (block sizes measured:
+#: docs/performance.md, "int8 layers").
 LSE_TOPK_BLOCK_BYTES = 1024 * 1024
 
 

@@ -1,15 +1,14 @@
 """Eq. 1 for short sequences on CUDA GPUs: one Triton program per (sentence, head).
 
 Why: translation's sentences are short (Multi30k: ~13 subwords; WMT: tens). In a base
-training step on an H100 (1,700 sentences of ~17 positions, bf16), PyTorch's fused
-attention (cuDNN's kernels there) took a third of the GPU's time, ~0.57 ms forward and
-~0.54 ms backward a call, ~10x what reading and writing its tensors costs at the GPU's
-memory bandwidth; its other backends and the written-out formula were no faster
-(docs/performance.md, "GPU"). Their tiles of 64-128 query rows are mostly padding at
-these lengths (our reading; not profiled inside them). Here each program holds one
+bf16 training step at the paper's batch size, PyTorch's fused attention (cuDNN's kernels
+there) was the largest single share of the GPU's time, many times what reading and
+writing its tensors costs at the GPU's memory bandwidth; its other backends and the
+written-out formula were no faster. Their tiles of 64-128 query rows are mostly padding
+at these lengths (our reading; not profiled inside them). Here each program holds one
 (sentence, head)'s whole Q, K and V (at most MAX_LEN positions) in registers: one read of
-the inputs, one write of the output, no padding beyond the next power of two. In that
-step it made the GPU's kernels take 45.5 ms a step instead of 62.0.
+the inputs, one write of the output, no padding beyond the next power of two, which
+shortens that step's GPU time (measured: docs/performance.md, "Triton attention on GPU").
 
 The math is the flash-attention recipe without the loop over key blocks (one block holds
 all keys): S = Q K^T / sqrt(d_k), masked entries -inf, P = softmax(S) with its log-sum-exp
@@ -77,9 +76,10 @@ def applies(
 
 
 #: below this many query elements (B * H * Tq * d_k) PyTorch's kernels trained as fast or
-#: faster on an H100: the step is bound by launching kernels, and a Triton launch costs
-#: more CPU time than an ATen one (base bf16: 291 sentences of ~14 tokens, 2.5M elements,
-#: 0.89x; 1,700 sentences, 14.8M elements, 1.23x; docs/performance.md)
+#: faster: the step is bound by launching kernels, and a Triton launch costs more CPU time
+#: than an ATen one. The threshold lies between the benchmark's base batch (291 sentences,
+#: 2.5M elements: the kernel slower) and the paper's (1,700 sentences, 14.8M elements: the
+#: kernel faster); measured: docs/performance.md
 MIN_ELEMENTS = 2**23
 
 

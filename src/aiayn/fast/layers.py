@@ -317,7 +317,7 @@ def accelerate(
     compiled generator (`train.cpu_kernels`). Calling it again only changes the options.
     """
     for module in model.modules():
-        fast = fast_class(type(module))
+        fast = fast_class(type(module))  # type: ignore[arg-type]  # classes hash
         if fast is not None:
             module.__class__ = fast
     fast_model = cast(FastTransformer, model)

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 from aiayn.config import TrainConfig
 from aiayn.data.batching import Batch, collate, token_batches
-from aiayn.data.prepare import Corpus
+from aiayn.data.corpus import Corpus
 from aiayn.training.distributed import DistContext
 
 

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from aiayn import checkpoints as ckpt_lib
 from aiayn.config import Config
 from aiayn.data.batching import Batch, collate
-from aiayn.data.prepare import Corpus
+from aiayn.data.corpus import Corpus
 from aiayn.fast.layers import FastTransformer
 from aiayn.training.distributed import DistContext
 from aiayn.training.epochs import epoch_order

@@ -25,7 +25,8 @@ from torch import Tensor, nn
 from aiayn import checkpoints as ckpt_lib
 from aiayn.config import ONEDNN_PRIMITIVE_CACHE_CAPACITY, Config
 from aiayn.data.batching import Batch, Prefetch
-from aiayn.data.prepare import BPEDropout, Corpus, load_corpus, load_manifest
+from aiayn.data.bpe_dropout import BPEDropout
+from aiayn.data.corpus import Corpus, load_corpus, load_manifest
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.fast import accelerate
 from aiayn.fast.flops import slow_bf16_warning, training_flops

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from aiayn.data.batching import collate, token_batches
-from aiayn.data.prepare import Corpus
+from aiayn.data.corpus import Corpus
 from aiayn.model import Transformer
 from aiayn.training.loss import generator_loss
 

@@ -9,7 +9,8 @@
  * pair removed at one step is a candidate again at the next. At p = 0 this is
  * sentencepiece's deterministic segmentation. (Sentencepiece's own sampling instead
  * discards a popped pair until a merge changes one of its symbols: a stronger dropout,
- * 1.41x the pieces at p = 0.1 on Multi30k's training pairs against 1.21x here.)
+ * more pieces a sentence at the same p; measured: docs/results.md, "How the recipe was
+ * chosen".)
  *
  * Draw j of word w is SplitMix64(SplitMix64(seed + w * golden) + j * golden) >> 11, a
  * 53-bit integer, one per candidate pair and step, left to right; the pair is removed when

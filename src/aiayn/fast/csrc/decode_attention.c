@@ -12,16 +12,16 @@
  *   values (A, H, S, d), stored once per sentence, under its source mask.
  *
  * Written out as loops because a step's attention is thousands of products of one query
- * row (1 x d_k x t): a batched matrix-product call costs ~100-250 us of fixed overhead
- * here, for arithmetic that takes a few. Each row is computed on its own, in the same
- * order whatever the other rows are, so results do not depend on the batch.
+ * row (1 x d_k x t): a batched matrix-product call's fixed overhead is many times the
+ * arithmetic here (measured: docs/performance.md). Each row is computed on its own, in
+ * the same order whatever the other rows are, so results do not depend on the batch.
  *
  * On AVX-512 CPUs, for head sizes that are multiples of 16 (up to 128), keys and values
  * are taken 16 at a time: the 16 dot products of a block are summed together (sum16)
  * instead of one horizontal sum each, and each output vector stays in a register over
  * the block's 16 weighted values, several vectors' chains of products overlapping (before:
- * the horizontal sums and one accumulator in memory were most of the time; whole base
- * bf16 beam searches ~1.06x, docs/performance.md). Other sizes and CPUs take the plain
+ * the horizontal sums and one accumulator in memory were most of the time; measured:
+ * docs/performance.md, "C decoding attention"). Other sizes and CPUs take the plain
  * loops. The order of additions does not depend on a key's place in a block, so the
  * results still do not depend on the batch or the padding.
  *
