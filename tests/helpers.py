@@ -248,3 +248,26 @@ def losses_after_crash_and_resume(
     monkeypatch.delenv("AIAYN_FAULTS")
     train(config, data, root / "resumed")
     return dict(step_losses(root / "full")), dict(step_losses(root / "resumed"))
+
+
+# --------------------------------------------------------------------------- the command line
+def cli(*argv: str | Path) -> tuple[int, str, str]:
+    """`aiayn ARGV` in this process: (exit code, stdout, stderr)."""
+    import contextlib
+    import io
+
+    from aiayn.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in argv])
+    return code, out.getvalue(), err.getvalue()
+
+
+def assert_one_line_error(err: str, *fragments: str) -> None:
+    """stderr holds one `error:` line, no traceback, and it names each fragment."""
+    assert "Traceback" not in err, err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1, err
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]

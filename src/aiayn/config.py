@@ -400,14 +400,26 @@ def parse_set_args(items: list[str]) -> dict[str, str]:
     return out
 
 
+#: Tables an experiment file may hold besides [model], [train] and [decode].
+EXTRA_TABLES = ("recipe",)
+
+
 def load_experiment(path: str | Path) -> tuple[Config, dict[str, Any]]:
     """Read an experiment file: `preset = "tiny"` plus [model]/[train]/[decode] overrides.
 
-    Returns the resolved config and the file's other top-level tables (e.g. [recipe]).
+    Returns the resolved config and the file's [recipe] table ({} if it has none). Any
+    other table is an error naming the closest known one: a misspelt [trian] must not
+    leave its settings silently unused.
     """
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"--config {path}: is a directory, not an experiment file")
     try:
         doc = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--config {path}: cannot read it ({e})") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: {e}") from None
     cfg = get_preset(str(doc.pop("preset", "base")))
@@ -416,12 +428,13 @@ def load_experiment(path: str | Path) -> tuple[Config, dict[str, Any]]:
     for key, value in doc.items():
         if key in _SECTION_TYPES and isinstance(value, dict):
             overrides.update({f"{key}.{k}": v for k, v in value.items()})
-        elif isinstance(value, dict):
+        elif key in EXTRA_TABLES and isinstance(value, dict):
             extra[key] = value
         else:
+            what = "table" if isinstance(value, dict) else "top-level key"
             raise ConfigError(
-                f"{path}: unknown top-level key {key!r}"
-                f"{_did_you_mean(key, [*_SECTION_TYPES, 'preset'])}"
+                f"{path}: unknown {what} {key!r}"
+                f"{_did_you_mean(key, [*_SECTION_TYPES, *EXTRA_TABLES, 'preset'])}"
             )
     try:
         return apply_overrides(cfg, overrides), extra

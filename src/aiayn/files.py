@@ -14,6 +14,7 @@ import gzip
 import hashlib
 import io
 import os
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any, cast
@@ -21,6 +22,82 @@ from typing import IO, Any, cast
 
 class InputError(ValueError):
     """Bad input data; the message names the file and line."""
+
+
+class UsageError(ValueError):
+    """A command that cannot be meant as given, refused before any work: an output path
+    that is one of the inputs, a directory, or a file this command did not make. The CLI
+    exits with 2, as for a bad flag."""
+
+
+#: The first bytes of a zip archive: every checkpoint torch.save writes starts with them.
+ZIP_MAGIC = b"PK\x03\x04"
+
+
+def read_bytes(path: str | Path) -> bytes:
+    """The whole content of a plain or gzip file; a truncated or corrupt gzip stream is an
+    InputError naming the file (Python raises a bare EOFError or zlib.error)."""
+    try:
+        with open_bytes(path) as f:
+            return f.read()
+    except (EOFError, zlib.error, gzip.BadGzipFile) as e:
+        raise InputError(f"{path}: truncated or corrupt gzip file ({e})") from None
+
+
+def looks_binary(path: str | Path) -> bool:
+    """Whether an existing file is a checkpoint (a zip archive) or a gzip file: never the
+    text a command writes."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    return head == ZIP_MAGIC or head[:2] == b"\x1f\x8b"
+
+
+def check_output_file(
+    path: str | Path,
+    *,
+    inputs: tuple[str | Path | None, ...] = (),
+    force: bool = False,
+    overwrite_ok: bool = True,
+    what: str = "output",
+) -> Path:
+    """Refuse, before any work, an output path that would lose data or cannot be written.
+
+    Refused (UsageError): a directory; a path whose directory does not exist; the same
+    file as one of `inputs`; without `force`, an existing checkpoint or gzip file, or
+    (with `overwrite_ok` False) any existing file. A directory that refuses new files is
+    an OSError naming it. Returns the path.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise UsageError(f"{what} {path} is a directory; give a file name")
+    parent = path.parent
+    if not parent.is_dir():
+        raise UsageError(f"{what} {path}: the directory {parent} does not exist")
+    for other in inputs:
+        if other is not None and _same_file(path, Path(other)):
+            raise UsageError(f"{what} {path} is also an input ({other}): it would be replaced")
+    if path.is_file() and not force:
+        if looks_binary(path):
+            raise UsageError(
+                f"{what} {path} exists and is a checkpoint or gzip file, not one this command "
+                "writes; pass --force to replace it"
+            )
+        if not overwrite_ok:
+            raise UsageError(f"{what} {path} exists; pass --force to replace it")
+    probe = parent / f".{path.name}.{os.getpid()}.probe.tmp"
+    try:
+        probe.touch()
+        probe.unlink()
+    except OSError as e:
+        raise OSError(e.errno, f"cannot write in {parent}: {e.strerror}") from None
+    return path
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.exists() and b.exists() and os.path.samefile(a, b)
+    except OSError:
+        return a.resolve() == b.resolve()
 
 
 def open_bytes(path: str | Path) -> IO[bytes]:
@@ -54,8 +131,7 @@ def read_lines(path: str | Path, *, on_bad_utf8: str = "error") -> Iterator[str]
         on_bad_utf8: "error" raises InputError naming file, line and byte offset;
             "replace" substitutes U+FFFD.
     """
-    with open_bytes(path) as f:
-        data = f.read()
+    data = read_bytes(path)
     if not data:
         return
     lines = data.split(b"\n")
@@ -78,8 +154,7 @@ def read_lines(path: str | Path, *, on_bad_utf8: str = "error") -> Iterator[str]
 
 def count_lines(path: str | Path) -> int:
     """Number of lines as `wc -l` counts them, plus one for a last line without newline."""
-    with open_bytes(path) as f:
-        data = f.read()
+    data = read_bytes(path)
     return data.count(b"\n") + (1 if data and not data.endswith(b"\n") else 0)
 
 

@@ -124,6 +124,15 @@ def python(code: str, *args: str, timeout: float = 60) -> subprocess.CompletedPr
 
 # --------------------------------------------------------------------------- save / load
 @pytest.mark.rows("B5")
+def raw_load(path: Path) -> dict[str, Any]:
+    """torch.load(weights_only=True) of a checkpoint, less the digest aiayn adds to the file
+    (checked equal to the content's own)."""
+    raw = torch.load(path, weights_only=True)
+    inner = raw.pop(checkpoint_io.INTEGRITY_KEY)
+    assert inner["sha256"] == checkpoint_io.content_digests(raw)
+    return raw
+
+
 def test_round_trip_is_bitwise_and_weights_only(tmp_path: Path) -> None:
     """B5 and STYLE "save/load round-trips exactly": every tensor torch.equal, plain
     torch.load(weights_only=True) reads the file, the shared embedding (section 3.4) stays
@@ -133,7 +142,7 @@ def test_round_trip_is_bitwise_and_weights_only(tmp_path: Path) -> None:
     save_checkpoint_file(path, ckpt)
     loaded = load_checkpoint(path)
     assert_same(ckpt, loaded)
-    assert_same(ckpt, torch.load(path, weights_only=True))
+    assert_same(ckpt, raw_load(path))
     m = loaded["model"]
     ptr = m["src_embed.token.weight"].untyped_storage().data_ptr()
     assert m["tgt_embed.token.weight"].untyped_storage().data_ptr() == ptr
@@ -204,8 +213,13 @@ def test_load_errors_name_the_file(tmp_path: Path, caplog: pytest.LogCaptureFixt
     save_checkpoint_file(path, plain_ckpt({"w": torch.ones(3)}))
     sidecar_path(path).unlink()
     with caplog.at_level(logging.WARNING, logger="aiayn.checkpoints"):
-        assert load_checkpoint(path)["step"] == 1
-    assert "c.pt" in caplog.text and "unverified" in caplog.text
+        assert load_checkpoint(path)["step"] == 1  # verified by the digest inside it
+    assert "unverified" not in caplog.text
+    legacy = tmp_path / "legacy.pt"  # written before checkpoints carried a digest
+    torch.save(plain_ckpt({"w": torch.ones(3)}), legacy)
+    with caplog.at_level(logging.WARNING, logger="aiayn.checkpoints"):
+        assert load_checkpoint(legacy)["step"] == 1
+    assert "legacy.pt" in caplog.text and "unverified" in caplog.text
 
 
 # --------------------------------------------------------------------------- B2 disk full
@@ -679,7 +693,7 @@ def test_average_of_copies_is_bitwise_the_original(tmp_path: Path) -> None:
     assert avg["averaged_from"] == ["checkpoint_1.pt", "checkpoint_2.pt", "checkpoint_3.pt"]
     assert_same(avg["tokenizer"], ckpt["tokenizer"])
     save_checkpoint_file(tmp_path / "avg.pt", avg)
-    assert_same(avg, torch.load(tmp_path / "avg.pt", weights_only=True))
+    assert_same(avg, raw_load(tmp_path / "avg.pt"))
     assert_same(avg, load_checkpoint(tmp_path / "avg.pt"))
 
 

@@ -14,6 +14,7 @@ from aiayn.checkpoints.io import (
     sidecar_path,
 )
 from aiayn.checkpoints.run_dir import (
+    TRAINING_KEYS,
     RunLock,
     check_run_dir,
     latest_valid_checkpoint,
@@ -39,4 +40,5 @@ __all__ = [
     "save_checkpoint",
     "save_checkpoint_file",
     "sidecar_path",
+    "TRAINING_KEYS",
 ]

@@ -72,6 +72,20 @@ def _model_config(ckpt: dict[str, Any]) -> Any:
     return cfg.get("model", cfg) if isinstance(cfg, dict) else cfg
 
 
+def _run_identity(ckpt: dict[str, Any]) -> dict[str, Any]:
+    """What makes checkpoints steps of one run: its seed (initial weights, batch order) and
+    its training data. Absent from checkpoints that do not record them (averages keep
+    them, written by hand they may not)."""
+    out: dict[str, Any] = {}
+    config = ckpt.get("config")
+    train = config.get("train") if isinstance(config, dict) else None
+    if isinstance(train, dict) and "seed" in train:
+        out["seed"] = train["seed"]
+    if ckpt.get("data_sha256") is not None:
+        out["data_sha256"] = ckpt["data_sha256"]
+    return out
+
+
 def _equal(a: Any, b: Any) -> bool:
     if isinstance(a, Tensor) and isinstance(b, Tensor):
         return a.dtype == b.dtype and torch.equal(a, b)
@@ -97,6 +111,7 @@ class _Average:
             k: (tuple(t.shape), t.dtype) for k, t in model.items() if isinstance(t, Tensor)
         }
         self.vocab, self.model_cfg = ckpt["vocab_sha256"], _model_config(ckpt)
+        self.run = _run_identity(ckpt)
         self.values: dict[str, Any] = {}
         for key in dict.fromkeys(self.tied.values()):
             v = model[key]
@@ -139,6 +154,13 @@ class _Average:
             a, b = (c if isinstance(c, dict) else {"model": c} for c in (cfg, self.model_cfg))
             diff = sorted(str(k) for k in {*a, *b} if a.get(k) != b.get(k))
             mixed.append(f"config['model'] differs from {ref}'s in {', '.join(diff)}")
+        run = _run_identity(ckpt)
+        for key in ("seed", "data_sha256"):
+            if key in run and key in self.run and run[key] != self.run[key]:
+                mixed.append(
+                    f"its {key} {run[key]!r} differs from {ref}'s {self.run[key]!r}: "
+                    "independently trained models, whose average is no model at all"
+                )
         if mixed and not force:
             raise CheckpointError(
                 f"{path}: {mixed[0]}; averaging checkpoints of different runs "
@@ -198,6 +220,8 @@ def average_checkpoints(paths: Sequence[str | Path], *, force: bool = False) -> 
         "config": first["config"],
         "vocab_sha256": first["vocab_sha256"],
     }
+    if first.get("data_sha256") is not None:  # the run's identity, for averaging averages
+        out["data_sha256"] = first["data_sha256"]
     if isinstance(first.get("tokenizer"), Tensor):  # a copy: `first` is memory-mapped
         out["tokenizer"] = first["tokenizer"].clone()
     step = first["step"]

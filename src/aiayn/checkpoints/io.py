@@ -131,6 +131,82 @@ def _check_structure(ckpt: Any, path: Path) -> None:
         )
 
 
+#: The digest of a checkpoint's content that the file carries inside itself (B3 without the
+#: manifest beside it: a checkpoint copied alone to another machine still verifies).
+INTEGRITY_KEY = "integrity"
+INTEGRITY_ALGORITHM = "sha256 of each top-level value, tensors by dtype, shape and bytes"
+
+
+def content_digests(ckpt: dict[str, Any]) -> dict[str, str]:
+    """The sha256 of each top-level value of a checkpoint, as `_hash_value` walks it: the
+    same before `torch.save` and after `torch.load` (dict keys sorted, lists and tuples
+    alike, tensors as dtype, shape and raw bytes)."""
+    out = {}
+    for key in sorted(ckpt, key=str):
+        if key != INTEGRITY_KEY:
+            h = hashlib.sha256()
+            _hash_value(ckpt[key], h)
+            out[str(key)] = h.hexdigest()
+    return out
+
+
+def _hash_value(value: Any, h: Any) -> None:
+    if isinstance(value, Tensor):
+        t = value.detach().cpu().contiguous().reshape(-1)
+        h.update(f"T{t.dtype}{tuple(value.shape)}".encode())
+        if t.numel():
+            h.update(t.view(torch.uint8).numpy().tobytes())
+    elif isinstance(value, dict):
+        h.update(f"D{len(value)}".encode())
+        for k in sorted(value, key=str):
+            h.update(f"K{k!r}".encode())
+            _hash_value(value[k], h)
+    elif isinstance(value, (list, tuple)):
+        h.update(f"L{len(value)}".encode())
+        for v in value:
+            _hash_value(v, h)
+    else:
+        h.update(f"V{value!r}".encode())
+
+
+def _check_integrity(ckpt: dict[str, Any], path: Path, keys: Sequence[str] | None) -> None:
+    """Compare the content with the digests stored inside the file (`keys`: only these
+    values, e.g. the model when averaging maps a checkpoint's tensors lazily)."""
+    stored = ckpt.get(INTEGRITY_KEY)
+    if stored is None:
+        return  # written before checkpoints carried one; the manifest is the only check
+    digests = stored.get("sha256") if isinstance(stored, dict) else None
+    if not isinstance(digests, dict):
+        raise CheckpointError(f"{path}: malformed {INTEGRITY_KEY!r} entry: the file is corrupt")
+    names = [k for k in ckpt if k != INTEGRITY_KEY]
+    if sorted(map(str, names)) != sorted(digests):
+        raise CheckpointError(
+            f"{path}: its keys differ from those its digest was computed over: the file is "
+            "corrupt or was edited"
+        )
+    for key in names if keys is None else [k for k in keys if k in names]:
+        h = hashlib.sha256()
+        _hash_value(ckpt[key], h)
+        if h.hexdigest() != digests[str(key)]:
+            raise CheckpointError(
+                f"{path}: {key!r} does not match the sha256 stored inside the file: the "
+                "file is corrupt (a flipped bit, a partial copy)"
+            )
+
+
+def _check_finite(ckpt: dict[str, Any], path: Path) -> None:
+    for key, value in ckpt["model"].items():
+        if (
+            isinstance(value, Tensor)
+            and value.is_floating_point()
+            and not bool(torch.isfinite(value).all())
+        ):
+            raise CheckpointError(
+                f"{path}: model tensor {key!r} holds NaN or inf: refusing a model that "
+                "can only translate to garbage"
+            )
+
+
 def _write_failed(path: Path, e: OSError) -> CheckpointError:
     reason = _WRITE_REASONS.get(e.errno or 0) or (os.strerror(e.errno) if e.errno else str(e))
     return CheckpointError(f"checkpoint write failed: {path}: {reason}")
@@ -150,6 +226,10 @@ def _save_file(path: Path, ckpt: dict[str, Any]) -> str:
             f"refusing to save {path}: non-finite values in model tensor(s) "
             f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}"
         )
+    ckpt = {
+        **{k: v for k, v in ckpt.items() if k != INTEGRITY_KEY},
+        INTEGRITY_KEY: {"algorithm": INTEGRITY_ALGORITHM, "sha256": content_digests(ckpt)},
+    }
     try:
         with atomic_write(path) as f:
             writer = _HashingWriter(f)
@@ -185,11 +265,11 @@ def save_checkpoint_file(path: str | Path, ckpt: dict[str, Any]) -> None:
     _save_file(Path(path), ckpt)
 
 
-def _verify(path: Path) -> None:
+def _verify(path: Path) -> bool:
+    """Check `path` against its manifest; False when it has none."""
     sidecar = sidecar_path(path)
     if not sidecar.exists():
-        logger.warning("%s: no %s manifest, loading it unverified", path, sidecar.name)
-        return
+        return False
     try:
         expected = sidecar.read_text(encoding="utf-8").split()[0].lower()
         actual = sha256_file(path)
@@ -202,6 +282,7 @@ def _verify(path: Path) -> None:
             f"{path}: sha256 mismatch (file {actual[:16]}..., manifest "
             f"{expected[:16]}...): the file is corrupt"
         )
+    return True
 
 
 def load_checkpoint(
@@ -209,19 +290,25 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Load a checkpoint with `weights_only=True`, after checking it against its manifest.
 
+    The file is checked twice: against its manifest `<name>.sha256` when there is one,
+    and always against the digest it carries inside itself (`content_digests`); its model
+    must be finite.
+
     Args:
         mmap: map tensor data instead of reading it (averaging uses this to read only the
-            model of a checkpoint that also holds optimizer state).
+            model of a checkpoint that also holds optimizer state: then only the model and
+            the small values are checked against the inner digest).
     Raises:
         CheckpointError naming `path`: missing, empty, truncated or corrupt file, sha256
-            mismatch, or not an aiayn checkpoint. A missing manifest is only a warning.
+            mismatch (manifest or inner digest), non-finite model weights, or not an aiayn
+            checkpoint. A missing manifest is only a warning.
     """
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file")
     if path.stat().st_size == 0:
         raise CheckpointError(f"{path}: empty file (0 bytes)")
-    _verify(path)
+    manifest = _verify(path)
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as e:
@@ -230,6 +317,16 @@ def load_checkpoint(
             f"{path}: unreadable, truncated or corrupt checkpoint ({type(e).__name__}: {why})"
         ) from e
     _check_structure(ckpt, path)
+    if not manifest and INTEGRITY_KEY not in ckpt:
+        logger.warning(
+            "%s: no %s manifest and no digest inside (an older checkpoint): loading it unverified",
+            path,
+            sidecar_path(path).name,
+        )
+    light = None if not mmap else [k for k in ckpt if k not in ("optimizer",)]
+    _check_integrity(ckpt, path, light)
+    _check_finite(ckpt, path)
+    ckpt.pop(INTEGRITY_KEY, None)  # a detail of the file: the caller gets what was saved
     return ckpt
 
 

@@ -29,6 +29,9 @@ from aiayn.files import fsync_dir, remove_stale_tmp, write_text_atomic
 
 logger = logging.getLogger(__name__)
 
+#: What a checkpoint needs to resume training from (an average has only the model).
+TRAINING_KEYS = ("optimizer", "train_state")
+
 
 def check_run_dir(run_dir: str | Path) -> Path:
     """Create `run_dir` if missing and prove it writable, before any training (A9).
@@ -140,6 +143,7 @@ def _prune(run_dir: Path, keep_last: int, newest: Path) -> None:
         try:
             old.unlink()
             sidecar_path(old).unlink(missing_ok=True)
+            logger.info("deleted %s (train.keep_last = %d)", old, keep_last)
         except OSError as e:  # A10: a file we cannot delete costs disk, not the run
             logger.warning(
                 "could not delete old checkpoint %s (%s); continuing", old, e.strerror or e
@@ -169,7 +173,11 @@ def save_checkpoint(run_dir: str | Path, ckpt: dict[str, Any], keep_last: int) -
 
 
 def latest_valid_checkpoint(
-    run_dir: str | Path, map_location: str | torch.device = "cpu", *, clean: bool = True
+    run_dir: str | Path,
+    map_location: str | torch.device = "cpu",
+    *,
+    clean: bool = True,
+    require: tuple[str, ...] = (),
 ) -> tuple[Path, dict[str, Any]] | None:
     """The newest checkpoint of a run that loads and verifies (auto-resume, B1 and B3).
 
@@ -177,7 +185,9 @@ def latest_valid_checkpoint(
     first, so call it holding the RunLock; readers that do not own the directory (other
     ranks) pass clean=False.
     Numbered checkpoints are tried by decreasing step, then `checkpoint_last.pt`; each one
-    skipped is logged with its reason.
+    skipped is logged with its reason. `require`: keys a checkpoint must hold to count
+    (resuming training needs TRAINING_KEYS: an average written over a checkpoint's name
+    is skipped, and the next one down is used).
 
     Returns:
         (path, checkpoint), or None when the run has no checkpoint at all.
@@ -202,6 +212,15 @@ def latest_valid_checkpoint(
             ckpt = load_checkpoint(path, map_location)
         except CheckpointError as e:
             logger.warning("skipping invalid checkpoint: %s", e)
+            skipped.append(path.name)
+            continue
+        missing = [k for k in require if k not in ckpt]
+        if missing:  # e.g. an average written over a training checkpoint's name
+            logger.warning(
+                "skipping %s: not a training checkpoint (no %s; an average or an export?)",
+                path,
+                " or ".join(missing),
+            )
             skipped.append(path.name)
             continue
         if skipped:

@@ -21,6 +21,7 @@ from aiayn.cli.environment import (
     apply_process_settings,
 )
 from aiayn.config import ConfigError
+from aiayn.files import UsageError
 
 __all__ = ["MALLOC_ENV", "ONEDNN_PRIMITIVE_CACHE_CAPACITY", "build_parser", "main"]
 
@@ -74,8 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         # stdout goes to /dev/null so that the interpreter's final flush cannot fail too
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # 128 + SIGPIPE, the shell's code for a process its pipe's reader left
-    except ConfigError as e:
-        print(f"aiayn: error: {e}", file=sys.stderr)
+    except (ConfigError, UsageError) as e:
+        print(f"aiayn {args.command}: error: {e}", file=sys.stderr)
         return 2
     except (*_known_errors(), ValueError) as e:  # type: ignore[misc]  # a tuple of types
         # Library functions raise ValueError for bad input (line counts that differ in
@@ -83,3 +84,10 @@ def main(argv: list[str] | None = None) -> int:
         log.debug("traceback", exc_info=True)
         print(f"aiayn {args.command}: error: {e}", file=sys.stderr)
         return 1
+    except OSError as e:
+        # the system refused (a full disk, a read-only directory): what and where, in one
+        # line; everything written so far is intact (outputs are written atomically)
+        log.debug("traceback", exc_info=True)
+        where = f": {e.filename}" if e.filename and str(e.filename) not in str(e) else ""
+        print(f"aiayn {args.command}: error: {e.strerror or e}{where}", file=sys.stderr)
+        return 4

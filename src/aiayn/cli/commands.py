@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from aiayn.config import Config, apply_overrides, get_preset, load_experiment, parse_set_args
+from aiayn.files import UsageError, check_output_file
 
 #: `train` and `info` flags that set a config key: (argparse dest, config key).
 CONFIG_FLAGS = (
@@ -43,6 +44,40 @@ def resolve_config(args: argparse.Namespace) -> Config:
             overrides[key] = value
     overrides.update(parse_set_args(getattr(args, "set", None) or []))
     return apply_overrides(cfg, overrides)
+
+
+def check_device(name: str) -> str:
+    """`name` if this PyTorch can run on it, else a UsageError saying why: before any
+    work, not as a traceback from deep inside torch."""
+    import torch
+
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise UsageError(f"--device {name!r}: not a device; use cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            build = "a CPU-only build" if torch.version.cuda is None else "no visible GPU"
+            raise UsageError(
+                f"--device {name}: this PyTorch ({torch.__version__}) has {build}; use --device cpu"
+            )
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise UsageError(
+                f"--device {name}: there are {torch.cuda.device_count()} GPUs (cuda:0..)"
+            )
+    elif device.type != "cpu":
+        raise UsageError(f"--device {name}: aiayn runs on cpu or cuda, not {device.type}")
+    return name
+
+
+def _is_average(path: Path) -> bool:
+    """Whether an existing file is a checkpoint `aiayn average` wrote."""
+    from aiayn.checkpoints import CheckpointError, load_checkpoint
+
+    try:
+        return "averaged_from" in load_checkpoint(path, mmap=True)
+    except CheckpointError:
+        return False
 
 
 def _progress(total: int, disable: bool) -> tuple[Any, Any]:
@@ -89,8 +124,18 @@ def cmd_data(args: argparse.Namespace) -> int:
 
 def cmd_prepare(args: argparse.Namespace) -> int:
     """`aiayn prepare`: learn the shared vocabulary and encode the splits."""
+    from aiayn.data.corpus import MANIFEST_FILE
     from aiayn.data.prepare import prepare
 
+    out = Path(args.out)
+    if out.is_file():
+        raise UsageError(f"--out {out} is a file; give a directory")
+    if (out / MANIFEST_FILE).exists() and not args.force:
+        raise UsageError(
+            f"--out {out} already holds a prepared set ({out / MANIFEST_FILE}); models "
+            "trained on it need its vocabulary: choose another directory, or pass --force "
+            "to replace it"
+        )
     manifest = prepare(
         args.source_lang,
         args.target_lang,
@@ -119,6 +164,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.dump_config:
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0
+    check_device(args.device)
     bar, hooks = _progress(cfg.train.max_steps, args.no_progress)
     try:
         result = train(
@@ -150,6 +196,10 @@ def cmd_average(args: argparse.Namespace) -> int:
     inputs = [Path(p) for p in args.inputs]
     one_run = len(inputs) == 1 and inputs[0].is_dir()
     paths = list_last(inputs[0], args.last, strict=False) if one_run else inputs
+    out = Path(args.out)
+    # an earlier average may be replaced; a training checkpoint only with --force
+    previous_average = out.is_file() and _is_average(out)
+    check_output_file(out, inputs=tuple(paths), force=args.force or previous_average)
     avg = average_checkpoints(paths, force=args.force)
     save_checkpoint_file(Path(args.out), avg)
     print(f"averaged {len(paths)} checkpoints ({', '.join(p.name for p in paths)}) -> {args.out}")
@@ -165,6 +215,11 @@ def cmd_translate(args: argparse.Namespace) -> int:
     from aiayn.decoding.translate import translate_file
     from aiayn.fast.inference import cast_for_inference
 
+    check_device(args.device)
+    if args.output is not None:
+        check_output_file(args.output, inputs=(args.input, *args.checkpoint), force=args.force)
+    if args.input is not None and not Path(args.input).exists():
+        raise UsageError(f"--input {args.input}: no such file")
     models, tokenizer, cfg = load_ensemble([Path(p) for p in args.checkpoint], device=args.device)
     model = as_decoder([cast_for_inference(m, args.dtype) for m in models])
     overrides: dict[str, Any] = {}
@@ -204,7 +259,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 def cmd_recipe(args: argparse.Namespace) -> int:
     """`aiayn recipe`: an experiment file end to end, data to BLEU."""
-    from aiayn.experiments.recipe import format_results, load_recipe, run_recipe
+    from aiayn.experiments.recipe import RecipeStoppedError, format_results, load_recipe, run_recipe
 
     overrides: dict[str, Any] = parse_set_args(args.set or [])
     if args.max_minutes is not None:
@@ -212,6 +267,9 @@ def cmd_recipe(args: argparse.Namespace) -> int:
     if args.seed is not None:
         overrides["train.seed"] = args.seed
     cfg, _ = load_recipe(args.config, overrides)
+    check_device(args.device)
+    if Path(args.out).is_file():
+        raise UsageError(f"--out {args.out} is a file; give a run directory")
     bar, hooks = _progress(cfg.train.max_steps, args.no_progress)
     try:
         results = run_recipe(
@@ -222,6 +280,9 @@ def cmd_recipe(args: argparse.Namespace) -> int:
             overrides=overrides,
             hooks=hooks,
         )
+    except RecipeStoppedError as e:
+        print(f"aiayn recipe: {e}", file=sys.stderr)
+        return {"SIGTERM": 143, "SIGINT": 130}[e.signal_name]
     finally:
         bar.close()
     print(format_results(results))
@@ -233,6 +294,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     """`aiayn bench`: one measurement per dtype, a line (or JSON object) each."""
     from aiayn.experiments import bench
 
+    check_device(args.device)
     for dtype in args.dtype.split(","):
         if args.what == "peak":
             result = bench.bench_peak(dtype, args.device)

@@ -44,6 +44,12 @@ examples:
     p.add_argument("--input", metavar="FILE", help="source text, plain or gzip (default: stdin)")
     p.add_argument("--output", metavar="FILE", help="translations (default: stdout)")
     p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an --output file that is a checkpoint or gzip file (refused otherwise; "
+        "an input or a checkpoint given is never replaced)",
+    )
+    p.add_argument(
         "--beam", type=int, help=f"beam size (default: the checkpoint's; paper: {PAPER.beam})"
     )
     p.add_argument(

@@ -93,6 +93,12 @@ examples:
     )
     p.add_argument("--out", required=True, metavar="DIR", help="directory to write into")
     p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace a prepared set already in --out (refused otherwise: its vocabulary "
+        "may be what trained models need)",
+    )
+    p.add_argument(
         "--vocab-size", type=int, default=8000, help="subword pieces in the shared vocabulary"
     )
     p.add_argument(
@@ -287,6 +293,7 @@ examples:
     p.add_argument(
         "--force",
         action="store_true",
-        help="allow averaging checkpoints of different runs (refused otherwise)",
+        help="allow averaging checkpoints of different runs, and replacing an --out file "
+        "that is not an earlier average (a training checkpoint): both refused otherwise",
     )
     return p

@@ -37,9 +37,11 @@ or all of it, from an experiment file:
 exit codes:
   0    done
   1    bad input or a failed step: one line on stderr (the traceback with -v)
-  2    bad command line or configuration
+  2    bad command line or configuration, refused before any work (an output over an
+       input, a file this command did not write, an unknown --device or config table)
   3    translate: the input had invalid UTF-8
-  130  train stopped by Ctrl-C (143: by SIGTERM), after saving a checkpoint
+  4    the system refused: a disk full, a read-only or missing directory (one line)
+  130  train or recipe stopped by Ctrl-C (143: by SIGTERM), after saving a checkpoint
   141  the output's reader went away (`aiayn ... | head`), as with `cat`
 
 environment:

@@ -321,6 +321,12 @@ def prepare(
     trained = tokenizer is None
     if tokenizer is None:  # one vocabulary for both languages, learned on training text only
         train = pairs["train"]
+        if not any(line is not None and line.strip() for line in chain(train.src, train.tgt)):
+            src, tgt = inputs["train"]
+            raise InputError(
+                f"{src} and {tgt}: no training text ({counts['train']} lines, none with a "
+                "word): nothing to learn a vocabulary from"
+            )
         tokenizer = Tokenizer.train_from_sentences(
             chain(train.src, train.tgt), vocab_size, None, seed=seed, lowercase=lowercase
         )

@@ -22,6 +22,7 @@ The source fed to the model is the line's subword ids followed by EOS.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import time
@@ -38,7 +39,7 @@ from aiayn.data.batching import decode_batches
 from aiayn.decoding.ensemble import Ensemble
 from aiayn.decoding.search import Hypothesis, beam_search, position_limit
 from aiayn.decoding.workers import check_workers, map_batches
-from aiayn.files import atomic_write, open_bytes
+from aiayn.files import atomic_write, read_bytes
 from aiayn.model import Transformer
 
 logger = logging.getLogger(__name__)
@@ -241,8 +242,7 @@ def read_input(path: str | Path | None) -> tuple[list[str], list[int]]:
     """Lines of a text file (plain or gzip), or of stdin when `path` is None; see decode_lines."""
     if path is None:
         return decode_lines(sys.stdin.buffer.read(), "<stdin>")
-    with open_bytes(path) as f:
-        return decode_lines(f.read(), str(path))
+    return decode_lines(read_bytes(path), str(path))
 
 
 def format_output(i: int, outputs: list[Translation], nbest: int) -> str:
@@ -283,14 +283,17 @@ def translate_file(
             "%s: empty input, writing no output lines",
             input_path if input_path is not None else "<stdin>",
         )
-    nbest, stats = translate_nbest(model, tokenizer, lines, cfg, device, progress, workers)
-    text = "".join(format_output(i, outputs, cfg.nbest) for i, outputs in enumerate(nbest))
-    if output_path is None:
-        sys.stdout.write(text)
-        sys.stdout.flush()
-    else:
-        with atomic_write(output_path, "w") as f:
-            f.write(text)
+    with contextlib.ExitStack() as stack:
+        # the output's temporary file exists before decoding starts: a path that cannot be
+        # written fails now, not after minutes of work
+        out = None if output_path is None else stack.enter_context(atomic_write(output_path, "w"))
+        nbest, stats = translate_nbest(model, tokenizer, lines, cfg, device, progress, workers)
+        text = "".join(format_output(i, outputs, cfg.nbest) for i, outputs in enumerate(nbest))
+        if out is None:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        else:
+            out.write(text)
     seconds = time.perf_counter() - start
     if stats.unk_tokens:
         logger.info(

@@ -9,13 +9,36 @@ import json
 from pathlib import Path
 from typing import Any
 
+from aiayn.files import InputError
+
 
 def read_log(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The records of a run's train_log.jsonl, in order (an empty list if there is none)."""
+    """The records of a run's train_log.jsonl, in order, as the run finally went (an empty
+    list if there is none).
+
+    The log is appended to, never rewritten: after a crash the run resumes from its last
+    checkpoint and logs a `"event": "resumed"` record; the steps after that checkpoint were
+    then done twice, and only their second pass is kept. A last line cut short by a kill
+    is left out; any other line that is not JSON is an error naming the line.
+    """
     path = Path(run_dir) / "train_log.jsonl"
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+    lines = path.read_text(encoding="utf-8").splitlines()
+    records: list[dict[str, Any]] = []
+    for lineno, line in enumerate(lines, start=1):
+        if not line:
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if lineno == len(lines):
+                continue  # written when the process was killed
+            raise InputError(f"{path}:{lineno}: not a JSON record") from None
+        if record.get("event") == "resumed":
+            records = [r for r in records if r.get("step", 0) <= record["step"]]
+        records.append(record)
+    return records
 
 
 def plot_curves(

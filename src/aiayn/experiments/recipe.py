@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "RecipeConfig",
+    "RecipeStoppedError",
     "cpu_kernels",
     "format_results",
     "load_recipe",
@@ -73,6 +74,19 @@ def _lowercase_copy(src_prefix: Path, langs: list[str], out_prefix: Path) -> Non
     for lang in langs:
         text = "".join(f"{line.lower()}\n" for line in read_lines(find_input(src_prefix, lang)))
         write_text_atomic(Path(f"{out_prefix}.{lang}"), text)
+
+
+class RecipeStoppedError(Exception):
+    """Training stopped on a signal (SIGTERM, or Ctrl-C): the recipe stops with it, having
+    saved; the same command resumes. `signal_name` is "SIGTERM" or "SIGINT"."""
+
+    def __init__(self, signal_name: str, step: int, out: Path) -> None:
+        super().__init__(
+            f"training stopped by {signal_name} at step {step}, saved; the recipe stops here "
+            f"(no averaging or decoding of an unfinished model): rerun the same command to "
+            f"resume {out}"
+        )
+        self.signal_name = signal_name
 
 
 @dataclass
@@ -250,6 +264,9 @@ def run_recipe(
     t0 = clock()
     runs, trained = _train_stage(recipe, cfg, data_.prepared, out, device, hooks)
     wall["train_s"] = clock() - t0
+    for t in trained:
+        if t["stopped_by"] in ("SIGTERM", "SIGINT"):
+            raise RecipeStoppedError(t["stopped_by"], t["steps"], out)
 
     t0 = clock()
     averaged = _average_stage(recipe, runs)

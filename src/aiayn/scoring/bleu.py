@@ -28,6 +28,7 @@ and the signature records both (bs:N|seed:S, H6), so it is deterministic too.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import asdict, dataclass
@@ -118,6 +119,8 @@ def score_files(
         ValueError: the line counts differ (the message names both files and both
             counts, H1), or subword markers are left in the hypotheses (H2).
     """
+    if target_lang is not None:
+        check_language(target_lang)  # before reading anything
     hyps = list(read_lines(hyp_path))
     refs = list(read_lines(ref_path))
     if target_lang is None:
@@ -134,12 +137,29 @@ def lang_from_suffix(path: str | Path, default: str = "en") -> str:
         name = name[: -len(".gz")]
     suffix = Path(name).suffix.lstrip(".").lower()
     # only codes with Moses nonbreaking prefixes count, so "hyp.txt" is not language "txt"
+    return suffix if suffix in known_languages() else default
+
+
+@functools.cache
+def known_languages() -> frozenset[str]:
+    """The language codes the Moses tokenizer of tok-BLEU knows (its nonbreaking prefixes)."""
     # imported here: importing sacremoses sets KMP_INIT_AT_FORK (through joblib), and
     # `import aiayn` must change nothing global
     from sacremoses.corpus import NonbreakingPrefixes
 
-    known = set(NonbreakingPrefixes().available_langs.values())
-    return suffix if suffix in known else default
+    return frozenset(NonbreakingPrefixes().available_langs.values())
+
+
+def check_language(lang: str) -> str:
+    """`lang` if the Moses tokenizer knows it, else a ValueError listing the codes it knows:
+    an unknown code would tokenize as English and be written into the signature."""
+    known = known_languages()
+    if lang not in known:
+        raise ValueError(
+            f"unknown target language {lang!r} for tok-BLEU's Moses tokenizer; known: "
+            f"{', '.join(sorted(known))}"
+        )
+    return lang
 
 
 def perplexity(nll_sum: float, n_tokens: int) -> float:

@@ -30,7 +30,6 @@ from aiayn.data.corpus import Corpus
 from aiayn.fast.layers import FastTransformer
 from aiayn.training.distributed import DistContext
 from aiayn.training.epochs import epoch_order
-from aiayn.training.resume import reshard
 from aiayn.training.state import StepHook, TrainingError, TrainState
 from aiayn.training.validation import autocast
 
@@ -217,6 +216,9 @@ class TrainerGuards:
     def checkpoint_dict(self) -> dict[str, Any]:
         raise NotImplementedError
 
+    def rollback(self, onset_step: int, reason: str) -> Path:
+        raise NotImplementedError
+
     def _epoch_data(self, epoch: int) -> Corpus:
         raise NotImplementedError
 
@@ -267,62 +269,6 @@ class TrainerGuards:
         loop.stream.close()
         loop.stream, loop.recent_losses = self._batch_stream(), []
         return True
-
-    def rollback(self, onset_step: int, reason: str) -> Path:
-        """Reload the newest valid checkpoint from before `onset_step` (the divergence
-        guard); the counters of what went wrong are kept, the learning rate lowered."""
-        t = self.cfg.train
-        if self.state.rollbacks >= t.max_rollbacks:
-            raise TrainingError(
-                f"{reason}; already rolled back {self.state.rollbacks} times "
-                f"(train.max_rollbacks): stopping"
-            )
-        for path in reversed(ckpt_lib.list_checkpoints(self.run_dir)):
-            step = int(path.stem.split("_")[1])
-            if step > onset_step:
-                continue
-            try:
-                saved = ckpt_lib.load_checkpoint(path)
-            except ckpt_lib.CheckpointError as e:
-                log.warning("rollback: skipping %s: %s", path, e)
-                continue
-            break
-        else:
-            raise TrainingError(
-                f"{reason}; no valid checkpoint from step {onset_step} or "
-                "before to roll back to: stopping"
-            )
-        keep = self.state
-        self.model.load_state_dict(saved["model"])
-        self.optimizer.load_state_dict(saved["optimizer"])
-        self.state = TrainState(**saved["train_state"])
-        reshard(
-            self.state, self.dist.world_size
-        )  # the checkpoint may come from a run on another number of ranks
-        for name in ("nonfinite_skipped", "oom_skipped", "train_seconds"):
-            setattr(self.state, name, getattr(keep, name))
-        self.state.rollbacks = keep.rollbacks + 1
-        self.state.lr_factor = keep.lr_factor * t.divergence_lr_factor
-        self.step_hook.on_rollback()
-        log.warning(
-            "%s: rolled back to %s (step %d); learning rate now x%g (rollback %d of at most %d)",
-            reason,
-            path,
-            self.state.step,
-            self.state.lr_factor,
-            self.state.rollbacks,
-            t.max_rollbacks,
-        )
-        self._log(
-            {
-                "step": self.state.step,
-                "event": "rollback",
-                "reason": reason,
-                "checkpoint": str(path),
-                "lr_factor": self.state.lr_factor,
-            }
-        )
-        return path
 
     def preflight(self) -> None:
         """C7: forward and backward over this epoch's largest batches before training, so

@@ -43,7 +43,7 @@ from aiayn.training.guards import (
     is_oom,
 )
 from aiayn.training.loss import generator_loss, rdrop_loss
-from aiayn.training.resume import check_resume_compatible, reshard
+from aiayn.training.persistence import TrainerPersistence
 from aiayn.training.schedule import learning_rate, make_optimizer
 from aiayn.training.state import Hooks, StepHook, TrainingError, TrainResult, TrainState
 from aiayn.training.validation import autocast, validate
@@ -70,7 +70,7 @@ def _seed_step(seed: int, step: int, rank: int = 0, world_size: int = 1) -> None
     torch.manual_seed(seed * 1_000_003 + step * world_size + rank)
 
 
-class Trainer(TrainerGuards):
+class Trainer(TrainerPersistence, TrainerGuards):
     """One training run in one directory: builds or resumes everything, then `run()`s."""
 
     def __init__(
@@ -154,48 +154,6 @@ class Trainer(TrainerGuards):
         with contextlib.suppress(Exception):
             self.close()
 
-    def _resume(self, reset_optimizer: bool, reset_dataloader: bool) -> None:
-        found = ckpt_lib.latest_valid_checkpoint(self.run_dir, clean=self.dist.is_main)
-        if found is None:
-            return
-        path, saved = found
-        check_resume_compatible(
-            saved, self.cfg, reset_optimizer=reset_optimizer, reset_dataloader=reset_dataloader
-        )
-        if saved.get("vocab_sha256") != self.tokenizer.sha256:
-            raise TrainingError(
-                f"cannot resume from {path}: its vocabulary differs from "
-                f"{self.data_dir / 'spm.model'}"
-            )
-        if saved.get("data_sha256") != self.data_sha256 and not reset_dataloader:
-            raise TrainingError(
-                f"cannot resume from {path}: the training data "
-                f"{self.data_dir / 'train.pt'} changed since it was written "
-                "(pass --reset-dataloader to start a new epoch on the new data)"
-            )
-        self.model.load_state_dict(saved["model"])
-        if not reset_optimizer:
-            self.optimizer.load_state_dict(saved["optimizer"])
-        self.state = TrainState(**saved["train_state"])
-        if reset_dataloader:
-            self.state.epoch, self.state.batch_in_epoch = self.state.epoch + 1, 0
-        reshard(self.state, self.dist.world_size)
-        self.resumed_from = path
-        log.info(
-            "resumed from %s: step %d, epoch %d, batch %d of the epoch, lr %.3g, best "
-            "valid nll %.4f, %d validations without improvement, %d non-finite and %d "
-            "out-of-memory updates skipped",
-            path,
-            self.state.step,
-            self.state.epoch,
-            self.state.batch_in_epoch,
-            self.lr(self.state.step + 1),
-            self.state.best_valid_nll,
-            self.state.valid_without_improvement,
-            self.state.nonfinite_skipped,
-            self.state.oom_skipped,
-        )
-
     def lr(self, step: int) -> float:
         """Eq. 3 times lr_scale, times the factor left by divergence rollbacks."""
         t = self.cfg.train
@@ -238,46 +196,6 @@ class Trainer(TrainerGuards):
         if self._both_directions is None:  # the prepared pairs: built once
             self._both_directions = corpus.both_directions()
         return self._both_directions
-
-    def checkpoint_dict(self) -> dict[str, Any]:
-        tok = self.tokenizer.to_bytes()
-        return {
-            "format": "aiayn-checkpoint-1",
-            "config": self.cfg.to_dict(),
-            "vocab_sha256": self.tokenizer.sha256,
-            "tokenizer": torch.frombuffer(bytearray(tok), dtype=torch.uint8),
-            "data_sha256": self.data_sha256,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "step": self.state.step,
-            "epoch": self.state.epoch,
-            "train_state": self.state.to_dict(),
-            "rng": {"torch": torch.get_rng_state()},
-        }
-
-    def save(self) -> Path | None:
-        """Rank 0 writes; every rank first checks that all hold the same weights (a rank
-        that fell out of step must never go unnoticed) and waits for the write to end."""
-        if self.dist.active and not self.dist.same_on_all(self._checksum(), self.device):
-            raise TrainingError(
-                f"ranks hold different weights at step {self.state.step}: "
-                "a rank fell out of step; stopping without saving"
-            )
-        path = None
-        if self.dist.is_main:
-            path = ckpt_lib.save_checkpoint(
-                self.run_dir, self.checkpoint_dict(), self.cfg.train.keep_last
-            )
-        self.dist.barrier()
-        return path
-
-    def _checksum(self) -> float:
-        return float(
-            sum(
-                p.detach().double().abs().sum() + p.detach().double().sum()
-                for p in self.model.parameters()
-            )
-        )
 
     def _update(self, stream: BatchStream) -> dict[str, float]:
         """One optimizer step over `update_freq` batches; a non-finite one is skipped."""
@@ -517,6 +435,12 @@ class Trainer(TrainerGuards):
         )
         due = due_by_time or (t.save_interval_steps > 0 and step % t.save_interval_steps == 0)
         finished = step >= t.max_steps or out_of_time or stopping or impatient
+        if (
+            (step >= t.max_steps or out_of_time)
+            and not (stopping or impatient)
+            and (step % t.valid_interval_steps)
+        ):
+            self._validate()  # the run's last validation, kept in its last checkpoint
         if due or finished:
             result.last_checkpoint = self.save()
             loop.last_save = time.monotonic()
@@ -576,10 +500,6 @@ class Trainer(TrainerGuards):
                 self._log_interval(loop, step, stats)
                 if self._end_of_step(loop, step, result):
                     break
-        if result.stopped_by in ("max_steps", "max_minutes") and (
-            self.state.step % t.valid_interval_steps
-        ):
-            self._validate()
         self.dist.barrier()  # no rank leaves while rank 0 still writes
         result.state = self.state  # a rollback replaces the state object
         return result
