@@ -485,3 +485,35 @@ def test_the_digest_is_checked_only_where_the_file_carries_one(tmp_path: Path) -
     assert checkpoint_io.INTEGRITY_KEY not in loaded
     save_checkpoint_file(tmp_path / "b.pt", loaded)
     assert load_checkpoint(tmp_path / "b.pt")["step"] == 1
+
+
+# ------------------------------------------------- found by scripts/hostile_inputs.py
+@pytest.mark.rows("E11")
+@pytest.mark.parametrize("case", ["a file", "an empty directory"])
+def test_data_from_a_place_without_the_corpus_is_an_error(
+    tmp_path: Path, source: Path, case: str
+) -> None:
+    """Before: every file "not found, skipped" and exit 0 with nothing copied."""
+    where = source if case == "a file" else tmp_path / "empty"
+    if case != "a file":
+        where.mkdir()
+    code, _, err = cli("data", "multi30k", "--from", where, "--out", tmp_path / "d")
+    assert code == 1
+    assert_one_line_error(err, str(where))
+
+
+@pytest.mark.rows("J8")
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("train", "--steps", "0"),
+        ("train", "--batch-sentences", "0"),
+        ("decode", "--sentences", "0"),
+        ("decode", "--out-len", "0"),
+    ],
+)
+def test_bench_refuses_counts_below_one(argv: tuple[str, ...]) -> None:
+    """Before: exit 0 with nothing measured, or "no median for empty data"."""
+    code, _, err = cli("bench", argv[0], "--preset", "tiny", *argv[1:])
+    assert code == 2
+    assert_one_line_error(err, argv[1], ">= 1")

@@ -184,10 +184,10 @@ def latest_valid_checkpoint(
     With `clean`, removes temp files left by a killed writer (and orphaned manifests)
     first, so call it holding the RunLock; readers that do not own the directory (other
     ranks) pass clean=False.
-    Numbered checkpoints are tried by decreasing step, then `checkpoint_last.pt`; each one
-    skipped is logged with its reason. `require`: keys a checkpoint must hold to count
-    (resuming training needs TRAINING_KEYS: an average written over a checkpoint's name
-    is skipped, and the next one down is used).
+    Numbered checkpoints are tried by decreasing step, `checkpoint_last.pt` after the newest
+    of them; each one skipped is logged with its reason. `require`: keys a checkpoint must
+    hold to count (resuming training needs TRAINING_KEYS: an average written over a
+    checkpoint's name is skipped, and the next one down is used).
 
     Returns:
         (path, checkpoint), or None when the run has no checkpoint at all.
@@ -205,7 +205,9 @@ def latest_valid_checkpoint(
             sidecar.unlink(missing_ok=True)
     candidates = list_checkpoints(run_dir)[::-1]
     if (run_dir / LAST_NAME).is_file():
-        candidates.append(run_dir / LAST_NAME)
+        # right after the newest numbered one: normally the same file (a hard link), it is
+        # the newest state when that name was overwritten (say, by an average)
+        candidates.insert(min(1, len(candidates)), run_dir / LAST_NAME)
     skipped: list[str] = []
     for path in candidates:
         try:

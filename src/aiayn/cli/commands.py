@@ -295,6 +295,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from aiayn.experiments import bench
 
     check_device(args.device)
+    for flag in ("steps", "sentences", "batch_sentences", "out_len"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     for dtype in args.dtype.split(","):
         if args.what == "peak":
             result = bench.bench_peak(dtype, args.device)

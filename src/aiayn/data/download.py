@@ -223,6 +223,11 @@ def download_multi30k(
     unknown = sorted(set(splits or ()) - set(SPLITS)) + sorted(set(langs or ()) - set(LANGS))
     if unknown:
         raise ValueError(f"unknown Multi30k split/lang {unknown}; splits: {SPLITS}, langs: {LANGS}")
+    if source_dir is not None and not source_dir.is_dir():
+        what = "no such directory" if not source_dir.exists() else "not a directory"
+        raise InputError(f"{source_dir}: {what}: give the directory that holds the corpus files")
+    if out.exists() and not out.is_dir():
+        raise InputError(f"{out}: is a file; give a directory to write the corpus into")
     out.mkdir(parents=True, exist_ok=True)
     sums = _read_sums(out / SUMS_FILE)
     done = []
@@ -234,4 +239,7 @@ def download_multi30k(
                 done.append(path)
     finally:  # keep the hashes of what did arrive, even if a later file failed
         write_text_atomic(out / SUMS_FILE, "".join(f"{sums[n]}  {n}\n" for n in sorted(sums)))
+    if not done:
+        where = source_dir if source_dir is not None else base_url
+        raise DownloadError(f"{where}: none of the requested Multi30k files is there")
     return done
