@@ -363,9 +363,10 @@ def test_ensemble_recipe_trains_members_side_by_side_and_decodes_them_together(
 @pytest.mark.rows("A5")
 @pytest.mark.skipif(not MULTI30K.is_dir(), reason="needs ../shared/data/multi30k")
 def test_sigterm_reaches_every_ensemble_member_and_a_rerun_resumes_them(tmp_path, record_property):
-    """A5 for recipe.ensemble: SIGTERM to the recipe is passed on to each member process,
-    which finishes its step, saves and stops (no step lost); a rerun resumes each member
-    from its own checkpoint."""
+    """A5 and A14 for recipe.ensemble: SIGTERM to the recipe is passed on to each member
+    process, which finishes its step, saves and stops (no step lost); the recipe then stops
+    too (exit 143, nothing averaged or decoded); a rerun resumes each member from its own
+    checkpoint."""
     import os
     import signal
     import subprocess
@@ -416,14 +417,16 @@ def test_sigterm_reaches_every_ensemble_member_and_a_rerun_resumes_them(tmp_path
             time.sleep(0.2)
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=120)
-    assert proc.returncode == 0, log.read_text()[-2000:]
-    results = json.loads((out / "results.json").read_text())
+    assert proc.returncode == 143, log.read_text()[-2000:]
+    assert not (out / "results.json").exists()
     stopped = {}
-    for m in results["train"]["members"]:
-        assert m["stopped_by"] == "SIGTERM"
-        last = load_checkpoint(out / m["run"] / "checkpoint_last.pt")["step"]
-        assert last == m["steps"] == max(steps(m["run"]))  # no step lost
-        stopped[m["run"]] = last
+    for run in ("member1", "member2"):
+        result = json.loads((out / run / "member_result.json").read_text())
+        assert result["stopped_by"] == "SIGTERM"
+        assert not (out / run / "checkpoint_avg.pt").exists()
+        last = load_checkpoint(out / run / "checkpoint_last.pt")["step"]
+        assert last == result["steps"] == max(steps(run))  # no step lost
+        stopped[run] = last
     record_property("faults", {"SIGTERM": 1})
     record_property("steps_lost", [0, 0])
 

@@ -223,9 +223,8 @@ def download_multi30k(
     unknown = sorted(set(splits or ()) - set(SPLITS)) + sorted(set(langs or ()) - set(LANGS))
     if unknown:
         raise ValueError(f"unknown Multi30k split/lang {unknown}; splits: {SPLITS}, langs: {LANGS}")
-    if source_dir is not None and not source_dir.is_dir():
-        what = "no such directory" if not source_dir.exists() else "not a directory"
-        raise InputError(f"{source_dir}: {what}: give the directory that holds the corpus files")
+    if source_dir is not None and source_dir.exists() and not source_dir.is_dir():
+        raise InputError(f"{source_dir}: not a directory: give the one that holds the corpus")
     if out.exists() and not out.is_dir():
         raise InputError(f"{out}: is a file; give a directory to write the corpus into")
     out.mkdir(parents=True, exist_ok=True)

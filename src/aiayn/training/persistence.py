@@ -88,7 +88,6 @@ class TrainerPersistence:
             self.state.nonfinite_skipped,
             self.state.oom_skipped,
         )
-        self._log({"step": self.state.step, "event": "resumed", "checkpoint": str(path)})
         older = ckpt_lib.list_checkpoints(self.run_dir)
         keep = self.cfg.train.keep_last
         if len(older) >= keep and self.dist.is_main:

@@ -462,6 +462,10 @@ class Trainer(TrainerPersistence, TrainerGuards):
             )
             result.stopped_by = "already_done"
             return result
+        if self.resumed_from is not None:  # readers keep the later pass of redone steps
+            self._log(
+                {"step": self.state.step, "event": "resumed", "checkpoint": str(self.resumed_from)}
+            )
         self._announce()
         self.model.train()
         if t.preflight:
