@@ -199,7 +199,9 @@ def cmd_average(args: argparse.Namespace) -> int:
     out = Path(args.out)
     # an earlier average may be replaced; a training checkpoint only with --force
     previous_average = out.is_file() and _is_average(out)
-    check_output_file(out, inputs=tuple(paths), force=args.force or previous_average)
+    check_output_file(
+        out, inputs=tuple(paths), force=args.force or previous_average, overwrite_ok=False
+    )
     avg = average_checkpoints(paths, force=args.force)
     save_checkpoint_file(Path(args.out), avg)
     print(f"averaged {len(paths)} checkpoints ({', '.join(p.name for p in paths)}) -> {args.out}")
