@@ -50,6 +50,15 @@ def run_dir(small_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run
 
 
+def copy_run(run_dir: Path, to: Path) -> Path:
+    """A copy of a run directory's files (plain copies: no hard link to the fixture's)."""
+    to.mkdir()
+    for f in run_dir.iterdir():
+        if f.is_file():
+            (to / f.name).write_bytes(f.read_bytes())
+    return to
+
+
 @pytest.fixture
 def source(tmp_path: Path) -> Path:
     path = tmp_path / "source.en"
@@ -182,11 +191,7 @@ def test_a_full_disk_while_translating_leaves_no_partial_output(
 # --------------------------------------------------------------------------- 2, 3: average
 @pytest.mark.rows("I7")
 def test_average_refuses_to_replace_a_training_checkpoint(run_dir: Path, tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    run.mkdir()
-    for f in run_dir.iterdir():
-        if f.is_file():
-            (run / f.name).write_bytes(f.read_bytes())
+    run = copy_run(run_dir, tmp_path / "run")
     before = sha256_file(run / "checkpoint_10.pt")
     for force in ((), ("--force",)):  # one of the inputs: never replaced
         code, _, err = cli("average", run, "--last", "2", "--out", run / "checkpoint_10.pt", *force)
@@ -209,11 +214,7 @@ def test_resume_skips_an_average_written_over_a_checkpoint(
     """An average forced over checkpoint_10.pt (it holds no optimizer): resuming warns and
     continues from checkpoint_last.pt, which still holds step 10's training state (before,
     resuming failed with a false reason, or with a KeyError under --reset-dataloader)."""
-    run = tmp_path / "run"
-    run.mkdir()
-    for f in run_dir.iterdir():
-        if f.is_file():
-            (run / f.name).write_bytes(f.read_bytes())
+    run = copy_run(run_dir, tmp_path / "run")
     # the issue's case, `--out` naming one of the inputs, is refused even with --force (I7);
     # an average of other checkpoints forced over checkpoint_10.pt is what is left to survive
     code, _, err = cli(
@@ -232,11 +233,7 @@ def test_resume_skips_an_average_written_over_a_checkpoint(
 def test_resuming_with_a_smaller_keep_last_says_what_it_will_delete(
     run_dir: Path, small_data: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    run = tmp_path / "run"
-    run.mkdir()
-    for f in run_dir.iterdir():
-        if f.is_file():
-            (run / f.name).write_bytes(f.read_bytes())
+    run = copy_run(run_dir, tmp_path / "run")
     with caplog.at_level("INFO"):
         train(tiny_config(SMALL, max_steps=15, keep_last=1), small_data, run)
     warning = [r.message for r in caplog.records if "keep_last is 1" in r.getMessage()]

@@ -154,13 +154,16 @@ class MultiHeadAttention(nn.Module):
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
         """Eq. 1 over the heads: (B, H, Tq, K) queries -> (B, H, Tq, Vd)."""
         if self.record_weights:
-            m = mask
-            if causal:
-                tri = causal_mask(q.size(2), k.size(2), q.device)
-                m = tri if m is None else m & tri
-            self.last_weights = attention_weights(q, k, m).detach()
+            self.record(q, k, mask, causal)
         p = self.dropout if self.training else 0.0
         return scaled_dot_product_attention(q, k, v, mask, causal=causal, dropout_p=p)
+
+    def record(self, q: Tensor, k: Tensor, mask: Tensor | None, causal: bool) -> None:
+        """Keep the softmax of Eq. 1 as `last_weights` (for pictures), causal mask applied."""
+        if causal:
+            tri = causal_mask(q.size(2), k.size(2), q.device)
+            mask = tri if mask is None else mask & tri
+        self.last_weights = attention_weights(q, k, mask).detach()
 
 
 class KVCache:

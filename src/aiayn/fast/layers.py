@@ -96,7 +96,7 @@ class FastMultiHeadAttention(paper.MultiHeadAttention):
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
         if self.record_weights:
-            super().attend(q, k, v, mask, causal)  # records the weights
+            self.record(q, k, mask, causal)
         p = self.dropout if self.training else 0.0
         return scaled_dot_product_attention(q, k, v, mask, causal=causal, dropout_p=p)
 
