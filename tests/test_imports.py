@@ -21,6 +21,7 @@ LAYERS = {
     "scoring": 1,
     "fast": 2,
     "data": 3,
+    "parsing": 3,
     "checkpoints": 4,
     "decoding": 5,
     "training": 6,

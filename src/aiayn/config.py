@@ -291,6 +291,15 @@ PRESETS: dict[str, Config] = {
         model=ModelConfig(N=3, d_model=256, d_ff=1024, h=4, d_k=64, d_v=64, P_drop=0.1),
         train=replace(_BASE.train, warmup_steps=1000, max_tokens=4096, max_steps=10_000),
     ),
+    # Section 6.3's parser: 4 layers of d_model 1024, otherwise the base model (d_ff 2048,
+    # h = 8, so d_k = d_v = d_model / h = 128); beam 21, alpha 0.3, output length <= input
+    # length + 300 (a linearized tree is ~2.5 tokens a word). Training keeps trees up to 512
+    # subwords, where translation's 256 would drop the longest sentences' trees.
+    "parse": Config(
+        model=ModelConfig(N=4, d_model=1024, d_ff=2048, h=8, d_k=128, d_v=128),
+        train=replace(_BASE.train, max_len=512),
+        decode=replace(_BASE.decode, beam=21, alpha=0.3, max_len_b=300),
+    ),
     # (A) number of heads at constant compute
     "A1": _row(h=1, d_k=512, d_v=512),
     "A2": _row(h=4, d_k=128, d_v=128),

@@ -110,6 +110,8 @@ def cmd_data(args: argparse.Namespace) -> int:
     """`aiayn data`: copy or download a corpus, verified."""
     from aiayn.data.download import download_multi30k
 
+    if args.dataset == "ptb":
+        return _data_ptb(args)
     kwargs: dict[str, Any] = {}
     if args.splits:
         kwargs["splits"] = args.splits.split(",")
@@ -119,6 +121,27 @@ def cmd_data(args: argparse.Namespace) -> int:
         Path(args.out), Path(args.from_dir) if args.from_dir else None, **kwargs
     )
     print(f"{len(paths)} files in {args.out}")
+    return 0
+
+
+def _data_ptb(args: argparse.Namespace) -> int:
+    """`aiayn data ptb`: a treebank's splits as trees, words and linearized trees."""
+    from aiayn.data.download import download_ptb_sample
+    from aiayn.parsing.ptb import prepare_treebank
+
+    if args.splits or args.langs:
+        raise UsageError("--splits and --langs are for multi30k; ptb takes --split")
+    out = Path(args.out)
+    if args.from_dir is not None:
+        source = Path(args.from_dir)
+        if not source.exists():
+            raise UsageError(f"--from {source}: no such file or directory")
+    else:
+        source = download_ptb_sample(out / "raw")
+    manifest = prepare_treebank(source, out, split=args.split)
+    for split, info in manifest["splits"].items():
+        print(f"{split}: {json.dumps(info)}")
+    print(f"treebank ({manifest['split']} split) in {out}")
     return 0
 
 
@@ -251,11 +274,77 @@ def cmd_translate(args: argparse.Namespace) -> int:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    """`aiayn evaluate`: BLEU and chrF of a hypothesis file against a reference."""
+    """`aiayn evaluate`: BLEU and chrF of a hypothesis file against a reference, or a
+    parse's bracketing scores (EVALB's)."""
     from aiayn.scoring.bleu import score_files
 
+    if args.task == "parse":
+        return _evaluate_parse(args)
+    if args.params is not None:
+        raise UsageError("--params is for --task parse")
     scores = score_files(Path(args.hyp), Path(args.ref), args.lang, bootstrap=args.bootstrap)
     print(json.dumps(scores.to_dict(), indent=2) if args.json else scores.format())
+    return 0
+
+
+def _evaluate_parse(args: argparse.Namespace) -> int:
+    """`aiayn evaluate --task parse`: EVALB's scores, computed by aiayn."""
+    from aiayn.scoring.evalb import COLLINS, format_report, format_summary, load_params
+    from aiayn.scoring.evalb import score_files as score_tree_files
+
+    if args.bootstrap or args.lang:
+        raise UsageError("--bootstrap and --lang are for --task translate")
+    params = COLLINS if args.params is None else load_params(Path(args.params))
+    result = score_tree_files(Path(args.ref), Path(args.hyp), params)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    elif args.report:
+        print(format_report(result), end="")
+    else:
+        print(format_summary(result))
+    return 0
+
+
+def cmd_parse(args: argparse.Namespace) -> int:
+    """`aiayn parse`: a tree a line for a file (or stdin) of sentences."""
+    from tqdm import tqdm
+
+    from aiayn.checkpoints import load_ensemble
+    from aiayn.decoding.ensemble import as_decoder
+    from aiayn.decoding.parse import parse_file
+    from aiayn.fast.inference import cast_for_inference
+
+    check_device(args.device)
+    for flag in ("output", "raw_output"):
+        if getattr(args, flag) is not None:
+            check_output_file(
+                getattr(args, flag), inputs=(args.input, *args.checkpoint), force=args.force
+            )
+    if args.input is not None and not Path(args.input).exists():
+        raise UsageError(f"--input {args.input}: no such file")
+    models, tokenizer, cfg = load_ensemble([Path(p) for p in args.checkpoint], device=args.device)
+    model = as_decoder([cast_for_inference(m, args.dtype) for m in models])
+    overrides: dict[str, Any] = {}
+    for flag in ("beam", "alpha", "max_len_a", "max_len_b", "max_tokens"):
+        if getattr(args, flag) is not None:
+            overrides[f"decode.{flag}"] = getattr(args, flag)
+    cfg = apply_overrides(cfg, {"decode.nbest": 1, **overrides})
+    bar = tqdm(unit=" lines", disable=args.no_progress or None, dynamic_ncols=True, file=sys.stderr)
+    try:
+        _, summary = parse_file(
+            model,
+            tokenizer,
+            args.input,
+            args.output,
+            cfg.decode,
+            device=args.device,
+            progress=bar.update,
+            workers=args.workers,
+            raw_path=args.raw_output,
+        )
+    finally:
+        bar.close()
+    print(json.dumps(summary), file=sys.stderr)
     return 0
 
 

@@ -115,19 +115,37 @@ def add_evaluate(
     p = command_parser(
         sub,
         "evaluate",
-        "score translations: BLEU, chrF and tokenized BLEU",
+        "score translations (BLEU, chrF, tokenized BLEU) or parses (EVALB)",
         """\
-BLEU and chrF come with their sacreBLEU signatures; tok_bleu is Moses-tokenized and
-lowercased. Files with different line counts are refused.
+--task translate: BLEU and chrF come with their sacreBLEU signatures; tok_bleu is
+Moses-tokenized and lowercased.
+--task parse: labelled bracketing precision, recall and F1, complete match and tagging
+accuracy, computed exactly as EVALB computes them (Sekine and Collins 1997; the tests
+compare the two), with COLLINS.prm's settings unless --params names another parameter
+file: punctuation and TOP ignored, ADVP = PRT, sentences of unequal length or words
+counted as errors and left out. --report prints EVALB's own report (per sentence, then
+all sentences and those of <= 40 words), to compare with EVALB's output.
+Files with different line counts are refused.
 
 examples:
   aiayn evaluate --hyp runs/tiny/test.de \\
       --ref data/multi30k/test_2016_flickr.de.gz
-  aiayn evaluate --hyp out.de --ref ref.de --bootstrap 1000 --json""",
+  aiayn evaluate --hyp out.de --ref ref.de --bootstrap 1000 --json
+  aiayn evaluate --task parse --hyp runs/parse/test.trees --ref data/ptb/test.trees
+  aiayn evaluate --task parse --hyp test.trees --ref gold.trees --report""",
     )
-    p.add_argument("--hyp", required=True, metavar="FILE", help="translations, one a line")
     p.add_argument(
-        "--ref", required=True, metavar="FILE", help="references, one a line, plain or gzip"
+        "--task",
+        choices=["translate", "parse"],
+        default="translate",
+        help="what the files hold: translations, or trees (one bracketed tree a line)",
+    )
+    p.add_argument("--hyp", required=True, metavar="FILE", help="translations or trees, one a line")
+    p.add_argument(
+        "--ref",
+        required=True,
+        metavar="FILE",
+        help="references (plain or gzip) or gold trees, one a line",
     )
     p.add_argument(
         "--lang",
@@ -141,7 +159,97 @@ examples:
         help="95%% confidence interval of BLEU from N resamples (sacreBLEU's fixed "
         "seed, recorded in the signature); 0: none",
     )
+    p.add_argument(
+        "--params",
+        metavar="FILE.prm",
+        help="parse: an EVALB parameter file (default: COLLINS.prm's settings, built in)",
+    )
+    p.add_argument(
+        "--report",
+        action="store_true",
+        help="parse: print EVALB's full report instead of the summary",
+    )
     p.add_argument("--json", action="store_true", help="print the scores as JSON")
+    return p
+
+
+def add_parse(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    p = command_parser(
+        sub,
+        "parse",
+        "parse sentences into constituency trees with a parsing model",
+        """\
+One bracketed tree a line per input line (space-separated words, as the treebank
+tokenizes them; a bracket in a word is written -LRB-/-RRB-), in input order. The model
+writes the tree linearized ("(S (NP XX XX )NP ... )S"); whatever it writes is rebuilt into
+a well-formed tree over exactly the input's words, and the repairs that took are counted
+in the JSON summary on stderr. Pre-terminals carry the treebank's punctuation tags for
+punctuation (as EVALB needs to ignore it) and XX elsewhere: the parser does not tag.
+An empty input line is an error naming it. Decoding options default to the checkpoint's:
+for the parse preset the paper's beam 21, alpha 0.3, length <= input + 300.
+
+examples:
+  aiayn parse --checkpoint runs/parse/checkpoint_avg.pt --input data/ptb/test.words \\
+      --output test.trees
+  echo "The cat sat on the mat ." | aiayn parse --checkpoint runs/parse/checkpoint_avg.pt""",
+    )
+    p.add_argument(
+        "--checkpoint",
+        required=True,
+        nargs="+",
+        action="extend",
+        metavar="FILE.pt",
+        help="a parsing model; several (same vocabulary) decode as an ensemble",
+    )
+    p.add_argument("--input", metavar="FILE", help="sentences, plain or gzip (default: stdin)")
+    p.add_argument("--output", metavar="FILE", help="trees (default: stdout)")
+    p.add_argument(
+        "--raw-output",
+        metavar="FILE",
+        help="also write the model's raw linearized outputs here, before repairs",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an output that is a checkpoint or gzip file (refused otherwise)",
+    )
+    p.add_argument("--beam", type=int, help="beam size (default: the checkpoint's; paper: 21)")
+    p.add_argument(
+        "--alpha", type=float, help="length penalty (default: the checkpoint's; paper: 0.3)"
+    )
+    p.add_argument(
+        "--max-len-a",
+        type=float,
+        metavar="A",
+        help="output length at most A x input length + B tokens (default: the checkpoint's)",
+    )
+    p.add_argument(
+        "--max-len-b",
+        type=int,
+        metavar="B",
+        help="see --max-len-a (default: the checkpoint's; paper: 300)",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        metavar="TOKENS",
+        help="source tokens per batch (default: the checkpoint's)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="fp32",
+        choices=["fp32", "bf16", "int8"],
+        help="inference precision, as for translate",
+    )
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ...")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="CPU: decode batches in this many forked processes, as for translate",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
 
@@ -149,11 +257,15 @@ def add_recipe(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argp
     p = command_parser(
         sub,
         "recipe",
-        "run an experiment file end to end: data to BLEU",
+        "run an experiment file end to end: data to BLEU (or to F1, for parsing)",
         """\
 The stages: data -> prepare -> train -> average -> choose the length penalty on the
 validation set (the file's recipe.tune_alpha grid, as section 6.1) -> translate the test
-set -> evaluate. RUN ends with checkpoint_avg.pt, the test translation, curve.png and
+set -> evaluate. A parsing file (recipe.dataset = "ptb", e.g. configs/ptb-sample-parse.toml)
+chooses beam and alpha on the development set by F1, parses the test set and scores it,
+a right-branching baseline and the unrepaired outputs with aiayn's EVALB and, when
+recipe.evalb names EVALB's source, with EVALB itself.
+RUN ends with checkpoint_avg.pt, the test translation (or trees), curve.png and
 results.json (scores with signatures, data and vocabulary hashes, resolved config,
 versions, machine, wall times, FLOPs). Rerunning the same command resumes.
 
@@ -167,7 +279,12 @@ examples:
         "config", metavar="FILE.toml", help="experiment file, e.g. configs/multi30k-en-de.toml"
     )
     p.add_argument("--out", required=True, metavar="RUN", help="run directory (rerun to resume)")
-    p.add_argument("--data", metavar="DIR", help="local copy of the corpus (default: download it)")
+    p.add_argument(
+        "--data",
+        metavar="PATH",
+        help="local copy of the corpus: a directory, or for parsing a treebank zip or folder "
+        "(default: download it)",
+    )
     p.add_argument(
         "--max-minutes",
         type=float,

@@ -13,13 +13,28 @@ def add_data(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argpar
         "data",
         "copy or download a corpus, each file checked by sha256",
         """\
+multi30k: the raw text files of Multi30k task 1 (translation), each checked against a
+pinned sha256. ptb: a Penn Treebank made ready for parsing (section 6.3): for each split
+(train, dev, test) SPLIT.trees (one cleaned tree a line: no -NONE- traces or the
+constituents they empty, no function tags or indices), SPLIT.words (the sentence, the
+parser's input) and SPLIT.lin (the linearized tree, its output), plus manifest.json.
+--from takes the NLTK sample's treebank.zip (or that zip unpacked: split by file,
+0001-0159 / 0160-0179 / 0180-0199) or the LDC release's folder holding wsj/SS/*.mrg
+(sections 02-21 / 22 / 23); without --from the NLTK sample is downloaded and verified.
+
 examples:
   aiayn data multi30k --out data/multi30k
   aiayn data multi30k --from ../shared/data/multi30k --out data/multi30k
   aiayn data multi30k --out data/multi30k --splits train,val,test_2016_flickr \\
-      --langs en,de""",
+      --langs en,de
+  aiayn data ptb --from ../shared/data/ptb-sample/treebank.zip --out data/ptb
+  aiayn data ptb --from /corpora/LDC99T42/parsed/mrg --out data/wsj""",
     )
-    p.add_argument("dataset", choices=["multi30k"], help="the corpus: multi30k (task 1)")
+    p.add_argument(
+        "dataset",
+        choices=["multi30k", "ptb"],
+        help="the corpus: multi30k (task 1) or ptb (a Penn Treebank, for parsing)",
+    )
     p.add_argument(
         "--out",
         required=True,
@@ -29,17 +44,27 @@ examples:
     p.add_argument(
         "--from",
         dest="from_dir",
-        metavar="DIR",
-        help="copy from this local directory instead of downloading; files missing "
-        "there are skipped with a warning (default: download)",
+        metavar="PATH",
+        help="multi30k: copy from this local directory instead of downloading; files "
+        "missing there are skipped with a warning. ptb: the treebank, a zip or a folder "
+        "(default: download; for ptb, NLTK's sample)",
+    )
+    p.add_argument(
+        "--split",
+        choices=["auto", "sample", "ldc"],
+        default="auto",
+        help="ptb: which split by file: sample (NLTK's 199 files), ldc (the LDC release's "
+        "sections) or auto (by the files found)",
     )
     p.add_argument(
         "--splits",
-        help="comma-separated splits, e.g. train,val,test_2016_flickr (default: all published)",
+        help="multi30k: comma-separated splits, e.g. train,val,test_2016_flickr "
+        "(default: all published)",
     )
     p.add_argument(
         "--langs",
-        help="comma-separated languages, e.g. en,de (default: all published for each split)",
+        help="multi30k: comma-separated languages, e.g. en,de (default: all published "
+        "for each split)",
     )
     return p
 

@@ -33,6 +33,9 @@ the pipeline, by hand (each COMMAND --help explains its flags):
       --ref data/multi30k/test_2016_flickr.de.gz
 or all of it, from an experiment file:
   aiayn recipe configs/multi30k-en-de.toml --out runs/en-de
+parsing (section 6.3), the same way:
+  aiayn recipe configs/ptb-sample-parse.toml --out runs/parse \\
+      --data ../shared/data/ptb-sample/treebank.zip
 
 exit codes:
   0    done
@@ -119,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
         (flags_train.add_average, commands.cmd_average),
         (flags_eval.add_translate, commands.cmd_translate),
         (flags_eval.add_evaluate, commands.cmd_evaluate),
+        (flags_eval.add_parse, commands.cmd_parse),
         (flags_eval.add_recipe, commands.cmd_recipe),
         (flags_eval.add_bench, commands.cmd_bench),
         (flags_eval.add_info, commands.cmd_info),

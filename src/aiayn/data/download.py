@@ -242,3 +242,46 @@ def download_multi30k(
         where = source_dir if source_dir is not None else base_url
         raise DownloadError(f"{where}: none of the requested Multi30k files is there")
     return done
+
+
+#: NLTK's Penn Treebank sample (WSJ files 0001-0199, ~3,900 trees; non-commercial, fair use:
+#: see the README inside the zip), the treebank the parsing recipe trains on here.
+PTB_SAMPLE_URL = (
+    "https://raw.githubusercontent.com/nltk/nltk_data/gh-pages/packages/corpora/treebank.zip"
+)
+PTB_SAMPLE_NAME = "treebank.zip"
+PTB_SAMPLE_SHA256 = "9da92d76c3666cfb6cddeaed0f7e86b344cce0f0928a286d439e555f19c37399"
+
+
+def download_ptb_sample(
+    out: str | Path, *, url: str = PTB_SAMPLE_URL, timeout: float = 60.0
+) -> Path:
+    """Download NLTK's Penn Treebank sample to `out/treebank.zip`, verified by its sha256.
+
+    A verified copy already there is kept. Users with the LDC release pass its directory
+    to `aiayn data ptb --from` instead.
+
+    Raises:
+        ChecksumError: the download differs from the pinned hash (it is not kept).
+        DownloadError: a network failure.
+    """
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise InputError(f"{out}: is a file; give a directory to write the treebank into")
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / PTB_SAMPLE_NAME
+    if path.is_file() and sha256_file(path) == PTB_SAMPLE_SHA256:
+        logger.info("%s: present and verified", path)
+        return path
+    logger.info("fetching %s", url)
+    with atomic_write(path) as f:
+        try:
+            digest = _copy_from(url, f, None, timeout)
+        except _MissingError:
+            raise DownloadError(f"{url}: not found (HTTP 404)") from None
+        if digest != PTB_SAMPLE_SHA256:
+            raise ChecksumError(
+                f"{url}: sha256 mismatch: expected {PTB_SAMPLE_SHA256} (pinned), "
+                f"found {digest}; not kept"
+            )
+    return path

@@ -284,6 +284,7 @@ def prepare(
     tokenizer: Tokenizer | None = None,
     seed: int = 1,
     lowercase: bool = False,
+    split_by_script: bool = True,
 ) -> dict[str, Any]:
     """Turn raw parallel text into the id tensors, vocabulary and manifest training reads.
 
@@ -303,6 +304,8 @@ def prepare(
         seed: passed to the tokenizer trainer.
         lowercase: train a vocabulary that lowercases what it encodes (see
             Tokenizer.train); the checkpoint then lowercases any input it translates.
+        split_by_script: False lets a subword span a bracket and letters (see
+            Tokenizer.train): the parsing task's linearized trees need it.
 
     Returns:
         The manifest, as written to `out/manifest.json`.
@@ -328,7 +331,12 @@ def prepare(
                 "word): nothing to learn a vocabulary from"
             )
         tokenizer = Tokenizer.train_from_sentences(
-            chain(train.src, train.tgt), vocab_size, None, seed=seed, lowercase=lowercase
+            chain(train.src, train.tgt),
+            vocab_size,
+            None,
+            seed=seed,
+            lowercase=lowercase,
+            split_by_script=split_by_script,
         )
     opts = {
         "max_len": max_len,
@@ -348,7 +356,13 @@ def prepare(
         "special_ids": {"pad": PAD_ID, "unk": UNK_ID, "bos": BOS_ID, "eos": EOS_ID},
         "spm_model": {"path": SPM_FILE, "sha256": tokenizer.sha256, "trained": trained},
         "settings": dict(
-            opts, on_empty=on_empty, on_bad_utf8=on_bad_utf8, seed=seed, lowercase=lowercase
+            opts,
+            on_empty=on_empty,
+            on_bad_utf8=on_bad_utf8,
+            seed=seed,
+            lowercase=lowercase,
+            # only when set, so that translation's manifests (and their hashes) stay as they were
+            **({} if split_by_script else {"split_by_script": False}),
         ),
         "inputs": {
             split: {

@@ -71,6 +71,7 @@ class Tokenizer:
         seed: int = 1,
         num_threads: int = 1,
         lowercase: bool = False,
+        split_by_script: bool = True,
     ) -> Tokenizer:
         """Learn one BPE vocabulary from the lines of all `files` (plain or .gz).
 
@@ -88,6 +89,10 @@ class Tokenizer:
             lowercase: the model lowercases whatever it encodes (sentencepiece's
                 nmt_nfkc_cf rule, stored in the model), so that a model trained on
                 lowercased text lowercases its input at translation time too.
+            split_by_script: sentencepiece's rule that a piece never spans two Unicode
+                scripts (on by default). Off, a bracket and a letter can merge: parsing
+                needs it, so that each token of a linearized tree, such as "(NP" or ")VP",
+                becomes one piece instead of two.
 
         Returns:
             The trained tokenizer.
@@ -104,6 +109,7 @@ class Tokenizer:
             seed=seed,
             num_threads=num_threads,
             lowercase=lowercase,
+            split_by_script=split_by_script,
         )
 
     @classmethod
@@ -116,6 +122,7 @@ class Tokenizer:
         seed: int = 1,
         num_threads: int = 1,
         lowercase: bool = False,
+        split_by_script: bool = True,
     ) -> Tokenizer:
         """Like :meth:`train`, from sentences in memory (data.py passes its cleaned pairs)."""
         if vocab_size <= len(_SPECIALS):
@@ -123,6 +130,8 @@ class Tokenizer:
         writer = io.BytesIO()
         # only when asked, so that the default model's bytes (and hash) stay as they were
         case_rule: dict[str, Any] = {"normalization_rule_name": "nmt_nfkc_cf"} if lowercase else {}
+        if not split_by_script:
+            case_rule["split_by_unicode_script"] = False
         spm.set_random_generator_seed(seed)
         try:
             spm.SentencePieceTrainer.train(

@@ -26,12 +26,17 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from aiayn.config import Config, DecodeConfig
 from aiayn.experiments.manifest import cpu_kernels, environment
-from aiayn.experiments.members import member_dirs, train_members, train_summary
 from aiayn.experiments.recipe_config import RecipeConfig, load_recipe, parse_recipe
+from aiayn.experiments.stages import (
+    RecipeStoppedError,
+    average_stage,
+    check_stopped,
+    matmul_peak_for,
+    plot_runs,
+    train_stage,
+)
 from aiayn.files import sha256_file, write_text_atomic
 from aiayn.training.trainer import Hooks
 
@@ -74,19 +79,6 @@ def _lowercase_copy(src_prefix: Path, langs: list[str], out_prefix: Path) -> Non
     for lang in langs:
         text = "".join(f"{line.lower()}\n" for line in read_lines(find_input(src_prefix, lang)))
         write_text_atomic(Path(f"{out_prefix}.{lang}"), text)
-
-
-class RecipeStoppedError(Exception):
-    """Training stopped on a signal (SIGTERM, or Ctrl-C): the recipe stops with it, having
-    saved; the same command resumes. `signal_name` is "SIGTERM" or "SIGINT"."""
-
-    def __init__(self, signal_name: str, step: int, out: Path) -> None:
-        super().__init__(
-            f"training stopped by {signal_name} at step {step}, saved; the recipe stops here "
-            f"(no averaging or decoding of an unfinished model): rerun the same command to "
-            f"resume {out}"
-        )
-        self.signal_name = signal_name
 
 
 @dataclass
@@ -139,47 +131,6 @@ def _data_stage(recipe: RecipeConfig, cfg: Config, out: Path, data: str | Path |
     return _Data(prefixes, full, prepared, manifest)
 
 
-def _matmul_peak(cfg: Config, device: str) -> tuple[float, torch.dtype]:
-    """The matmul ceiling for Table 2's FLOPs estimate, measured before training (measured
-    after it in the same process, it came out lower on the CPU)."""
-    from aiayn.fast.flops import cpu_matmul_rates, matmul_peak, slow_bf16_warning
-
-    peak_dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32
-    if cfg.train.dtype == "bf16" and slow_bf16_warning(device):
-        # emulated bf16 (the trainer says so next): the 2048^3 products would take minutes
-        return cpu_matmul_rates()[1], peak_dtype
-    return matmul_peak(peak_dtype, device=device), peak_dtype
-
-
-def _train_stage(
-    recipe: RecipeConfig,
-    cfg: Config,
-    prepared: Path,
-    out: Path,
-    device: str,
-    hooks: Hooks | None,
-) -> tuple[list[Path], list[dict[str, Any]]]:
-    """Train the model (or the ensemble's members): their run directories and summaries."""
-    from aiayn.training.trainer import train
-
-    if recipe.ensemble == 1:
-        return [out], [train_summary(train(cfg, prepared, out, device=device, hooks=hooks))]
-    runs = member_dirs(out, recipe.ensemble)
-    return runs, train_members(cfg, prepared, out, recipe.ensemble, device=device, hooks=hooks)
-
-
-def _average_stage(recipe: RecipeConfig, runs: list[Path]) -> list[list[str]]:
-    """Average each run's last checkpoints into its checkpoint_avg.pt: the names averaged."""
-    from aiayn.checkpoints import average_checkpoints, list_last, save_checkpoint_file
-
-    averaged = []
-    for run in runs:
-        paths = list_last(run, recipe.average_last, strict=False)
-        save_checkpoint_file(run / "checkpoint_avg.pt", average_checkpoints(paths))
-        averaged.append([p.name for p in paths])
-    return averaged
-
-
 def _member_scores(
     runs: list[Path],
     models: list[Any],
@@ -203,25 +154,6 @@ def _member_scores(
     return members
 
 
-def _plot(
-    out: Path, runs: list[Path], trained: list[dict[str, Any]], pair: str, title: str
-) -> None:
-    from aiayn.experiments.curves import plot_curves
-
-    try:
-        labels: dict[str, str | Path] = (
-            {pair: out}
-            if len(runs) == 1
-            else {
-                f"{pair} {run.name} (seed {t['seed']})": run
-                for run, t in zip(runs, trained, strict=True)
-            }
-        )
-        plot_curves(labels, out / "curve.png", title=title)
-    except ImportError:
-        log.info("matplotlib is not installed (pip install 'aiayn[plot]'): no curve.png")
-
-
 def run_recipe(
     path: str | Path,
     out: str | Path,
@@ -236,7 +168,8 @@ def run_recipe(
     Args:
         path: the experiment file (TOML) with a [recipe] table.
         out: the run directory; rerunning resumes training and redoes the later stages.
-        data: a local copy of the corpus (e.g. ../shared/data/multi30k); None downloads it.
+        data: a local copy of the corpus (e.g. ../shared/data/multi30k; for parsing, a
+            treebank: ../shared/data/ptb-sample/treebank.zip); None downloads it.
         device: "cpu", "cuda", ...
         overrides: config keys to change (as `--set`), e.g. {"train.max_minutes": 60}.
         hooks: training callbacks (the CLI's progress bar).
@@ -251,6 +184,12 @@ def run_recipe(
     from aiayn.scoring.bleu import score_files
 
     cfg, recipe = load_recipe(path, overrides)
+    if recipe.dataset == "ptb":  # parsing (section 6.3): its own data and scoring
+        from aiayn.experiments.parse_recipe import run_parse_recipe
+
+        return run_parse_recipe(
+            path, out, data=data, device=device, overrides=overrides, hooks=hooks
+        )
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     src, tgt = recipe.source_lang, recipe.target_lang
@@ -260,16 +199,14 @@ def run_recipe(
     t0 = clock()
     data_ = _data_stage(recipe, cfg, out, data)
     wall["data_and_prepare_s"] = clock() - t0
-    peak, peak_dtype = _matmul_peak(cfg, device)
+    peak, peak_dtype = matmul_peak_for(cfg, device)
     t0 = clock()
-    runs, trained = _train_stage(recipe, cfg, data_.prepared, out, device, hooks)
+    runs, trained = train_stage(recipe, cfg, data_.prepared, out, device, hooks)
     wall["train_s"] = clock() - t0
-    for t in trained:
-        if t["stopped_by"] in ("SIGTERM", "SIGINT"):
-            raise RecipeStoppedError(t["stopped_by"], t["steps"], out)
+    check_stopped(trained, out)
 
     t0 = clock()
-    averaged = _average_stage(recipe, runs)
+    averaged = average_stage(recipe, runs)
     models, tokenizer, avg_cfg = load_ensemble(
         [run / "checkpoint_avg.pt" for run in runs], device=device
     )
@@ -353,7 +290,7 @@ def run_recipe(
         **environment(),
     }
     write_text_atomic(out / "results.json", json.dumps(results, indent=2) + "\n")
-    _plot(out, runs, trained, f"{src}-{tgt}", str(path))
+    plot_runs(out, runs, trained, f"{src}-{tgt}", str(path))
     return results
 
 
@@ -415,7 +352,12 @@ def tune_alpha(
 
 
 def format_results(results: dict[str, Any]) -> str:
-    """Every BLEU convention side by side, with signatures, for the terminal."""
+    """Every BLEU convention side by side, with signatures, for the terminal (a parsing
+    run's F1 by both scorers)."""
+    if results.get("task") == "parse":
+        from aiayn.experiments.parse_recipe import format_parse_results
+
+        return format_parse_results(results)
     s = results["scores"]
     t = results["train"]
     f = results["flops"]

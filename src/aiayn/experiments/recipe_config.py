@@ -22,6 +22,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+#: What a recipe trains on: Multi30k translation, or Penn Treebank parsing (section 6.3).
+DATASETS = ("multi30k", "ptb")
+
+
 @dataclass(frozen=True)
 class RecipeConfig:
     """The [recipe] table of an experiment file."""
@@ -52,6 +56,24 @@ class RecipeConfig:
     # mean of their next-token probabilities). The run directory then holds member1/ ...
     # memberK/, each a training run of its own. 1: one model, the paper's recipe.
     ensemble: int = 1
+    # Parsing (dataset = "ptb", section 6.3) only; source_lang, target_lang and the split
+    # names above are translation's. The treebank's split: "auto" (the NLTK sample's split
+    # by file, or the LDC release's sections 02-21 / 22 / 23), "sample" or "ldc".
+    treebank_split: str = "auto"
+    # The paper's semi-supervised setting: a file of silver trees (one bracketed tree a line,
+    # e.g. another parser's high-confidence output) mixed into the gold training trees.
+    silver: str = ""
+    # Silver trees per gold tree in the training set: the gold trees are repeated
+    # round(silver count / (silver_ratio x gold count)) times (at least once); every silver
+    # tree is used.
+    silver_ratio: float = 1.0
+    # Beam sizes tried on the development set, each with every tune_alpha, the best
+    # (bracketing F1) decoding the test set; empty: decode.beam. Section 6.3 chose the beam
+    # on the development set.
+    tune_beam: tuple[int, ...] = ()
+    # EVALB's source directory (../shared/tools/EVALB here): built in the run directory and
+    # run on the test trees beside aiayn's scorer; empty: aiayn's scorer only.
+    evalb: str = ""
 
 
 def parse_recipe(table: dict[str, Any], where: str) -> RecipeConfig:
@@ -73,9 +95,35 @@ def parse_recipe(table: dict[str, Any], where: str) -> RecipeConfig:
                 f"{where}: recipe.tune_alpha must be a list of numbers >= 0, got {grid!r}"
             )
         table = {**table, "tune_alpha": tuple(float(a) for a in grid)}
+    if "tune_beam" in table:
+        beams = table["tune_beam"]
+        if not isinstance(beams, list | tuple) or not all(
+            isinstance(b, int | float) and not isinstance(b, bool) and b >= 1 and b == int(b)
+            for b in beams
+        ):
+            raise ConfigError(
+                f"{where}: recipe.tune_beam must be a list of integers >= 1, got {beams!r}"
+            )
+        table = {**table, "tune_beam": tuple(int(b) for b in beams)}
     recipe = RecipeConfig(**table)
-    if recipe.dataset != "multi30k":
-        raise ConfigError(f"{where}: recipe.dataset must be 'multi30k', got {recipe.dataset!r}")
+    if recipe.dataset not in DATASETS:
+        raise ConfigError(
+            f"{where}: recipe.dataset must be one of {', '.join(map(repr, DATASETS))}, "
+            f"got {recipe.dataset!r}"
+        )
+    if recipe.dataset != "ptb":
+        parse_only = [
+            k for k in ("silver", "tune_beam", "evalb") if getattr(recipe, k) and k in table
+        ]
+        if parse_only:
+            raise ConfigError(f"{where}: recipe.{parse_only[0]} is for dataset = 'ptb' only")
+    if recipe.treebank_split not in ("auto", "sample", "ldc"):
+        raise ConfigError(
+            f"{where}: recipe.treebank_split must be 'auto', 'sample' or 'ldc', "
+            f"got {recipe.treebank_split!r}"
+        )
+    if not recipe.silver_ratio > 0:
+        raise ConfigError(f"{where}: recipe.silver_ratio must be > 0, got {recipe.silver_ratio}")
     if (
         recipe.average_last < 1
         or recipe.vocab_size < 10
@@ -96,12 +144,24 @@ def type_like(cls: type, key: str, value: Any) -> Any:
     name = key.removeprefix("recipe.")
     default = {f.name: f.default for f in fields(cls)}.get(name)
     if isinstance(default, tuple) and isinstance(value, str):  # "0.6,1.0" -> [0.6, 1.0]
+        if name == "tune_beam":
+            try:
+                return [int(x) for x in value.split(",") if x.strip()]
+            except ValueError:
+                raise ConfigError(
+                    f"{key} must be comma-separated integers, got {value!r}"
+                ) from None
         try:
             return [float(x) for x in value.split(",") if x.strip()]
         except ValueError:
             raise ConfigError(f"{key} must be comma-separated numbers, got {value!r}") from None
     if isinstance(default, bool) and isinstance(value, str):
         return coerce_value(key, default, value)
+    if isinstance(default, float) and isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            raise ConfigError(f"{key} must be a number, got {value!r}") from None
     if isinstance(default, int) and isinstance(value, str):
         try:
             return int(value)

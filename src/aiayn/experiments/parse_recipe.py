@@ -1,0 +1,406 @@
+"""The parsing recipe (section 6.3): a treebank in, EVALB F1 out, with a manifest of the run.
+
+treebank -> trees, words and linearized trees per split -> prepare -> train -> average ->
+choose beam and alpha on the development set (bracketing F1) -> parse the test set ->
+score with aiayn's EVALB and, when the recipe names its source, the real EVALB, each on
+
+    the model's trees (the raw outputs repaired into trees: `decoding.parse`),
+    the model's trees without repairs (an ill-formed output scores as no constituent),
+    a right-branching baseline over the same words,
+
+so the reader sees what the model adds and what the repairs add. Files in RUN:
+
+    RUN/data/raw/treebank.zip  the NLTK sample, when no treebank was given (downloaded, verified)
+    RUN/data/ptb/       train/dev/test .trees, .words, .lin (`aiayn data ptb`), manifest
+    RUN/data/train.mixed.{words,lin}  gold and silver trees mixed ([recipe] silver)
+    RUN/data/prepared/  subword model and id tensors (the linearized trees as the target)
+    RUN/checkpoint_*.pt, RUN/checkpoint_avg.pt
+    RUN/tune/           the development set parsed at each beam and alpha tried
+    RUN/test.{lin,trees,norepair.trees,rightbranch.trees}  raw outputs, trees, the ablations
+    RUN/evalb/          EVALB built from its source, and its reports
+    RUN/results.json    scores, settings, speed, data hashes and the machine
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from aiayn.config import Config, DecodeConfig
+from aiayn.experiments.manifest import environment
+from aiayn.experiments.recipe_config import RecipeConfig, load_recipe
+from aiayn.experiments.stages import (
+    average_stage,
+    check_stopped,
+    matmul_peak_for,
+    plot_runs,
+    train_stage,
+)
+from aiayn.files import read_lines, sha256_file, write_text_atomic
+from aiayn.training.trainer import Hooks
+
+if TYPE_CHECKING:
+    from aiayn.decoding.translate import Decoder, SubwordTokenizer
+
+log = logging.getLogger(__name__)
+
+#: The file suffixes of the parallel text: the words are the source, the tree the target.
+SOURCE, TARGET = "words", "lin"
+
+
+def mix_silver(gold: Path, silver: Path, ratio: float, out: Path) -> dict[str, int | float]:
+    """Write OUT.words/.lin: the gold pairs repeated to reach `ratio` silver per gold, then
+    every silver pair (the paper's semi-supervised setting mixes both). `gold` and `silver`
+    are prefixes of .words/.lin files.
+
+    Returns:
+        Counts: gold, silver, gold_copies, and the ratio reached.
+    """
+    g = {s: list(read_lines(Path(f"{gold}.{s}"))) for s in (SOURCE, TARGET)}
+    v = {s: list(read_lines(Path(f"{silver}.{s}"))) for s in (SOURCE, TARGET)}
+    n_gold, n_silver = len(g[SOURCE]), len(v[SOURCE])
+    copies = max(1, round(n_silver / (ratio * n_gold))) if n_gold else 1
+    for side in (SOURCE, TARGET):
+        lines = g[side] * copies + v[side]
+        write_text_atomic(Path(f"{out}.{side}"), "".join(f"{x}\n" for x in lines))
+    return {
+        "gold": n_gold,
+        "silver": n_silver,
+        "gold_copies": copies,
+        "silver_per_gold": n_silver / max(1, n_gold * copies),
+    }
+
+
+def _first_lines(prefix: Path, suffixes: tuple[str, ...], out: Path, n: int) -> None:
+    for suffix in suffixes:
+        lines = list(read_lines(Path(f"{prefix}.{suffix}")))[:n]
+        write_text_atomic(Path(f"{out}.{suffix}"), "".join(f"{x}\n" for x in lines))
+
+
+def _data_stage(
+    recipe: RecipeConfig, cfg: Config, out: Path, data: str | Path | None
+) -> dict[str, Any]:
+    """The treebank's splits as files, silver mixed in, a smoke run's truncation, prepared."""
+    from aiayn.data.download import download_ptb_sample
+    from aiayn.data.prepare import prepare
+    from aiayn.parsing.ptb import prepare_treebank, tree_file_to_pairs
+
+    source = Path(data) if data is not None else download_ptb_sample(out / "data" / "raw")
+    ptb = out / "data" / "ptb"
+    treebank = prepare_treebank(source, ptb, split=recipe.treebank_split)
+    train, dev, test = ptb / "train", ptb / "dev", ptb / "test"
+    silver_counts = None
+    if recipe.silver:
+        silver = out / "data" / "silver"
+        tree_file_to_pairs(
+            Path(recipe.silver), Path(f"{silver}.{SOURCE}"), Path(f"{silver}.{TARGET}")
+        )
+        train = out / "data" / "train.mixed"
+        silver_counts = mix_silver(ptb / "train", silver, recipe.silver_ratio, train)
+        log.info("training on gold and silver trees: %s", silver_counts)
+    if recipe.max_train_pairs:
+        n = recipe.max_train_pairs
+        _first_lines(train, (SOURCE, TARGET), out / "data" / f"train.first{n}", n)
+        train = out / "data" / f"train.first{n}"
+    if recipe.max_test_pairs:
+        n = recipe.max_test_pairs
+        for name in ("dev", "test"):
+            _first_lines(
+                ptb / name, (SOURCE, TARGET, "trees"), out / "data" / f"{name}.first{n}", n
+            )
+        dev, test = out / "data" / f"dev.first{n}", out / "data" / f"test.first{n}"
+    prepared = out / "data" / "prepared"
+    manifest = prepare(
+        SOURCE,
+        TARGET,
+        train,
+        ptb / "dev",  # validation perplexity on the whole development set
+        None,
+        prepared,
+        vocab_size=recipe.vocab_size,
+        max_len=cfg.train.max_len,
+        max_len_ratio=cfg.train.max_len_ratio,
+        split_by_script=False,  # "(NP" and ")VP" one piece each
+    )
+    return {
+        "treebank": treebank,
+        "silver": silver_counts,
+        "prepared": prepared,
+        "manifest": manifest,
+        "dev": dev,
+        "test": test,
+    }
+
+
+def tune_parse(
+    model: Decoder,
+    tokenizer: SubwordTokenizer,
+    dev: Path,
+    decode: DecodeConfig,
+    beams: tuple[int, ...],
+    alphas: tuple[float, ...],
+    out: Path,
+    *,
+    device: str = "cpu",
+) -> tuple[DecodeConfig, dict[str, Any]]:
+    """Parse the development set at each beam x alpha and keep the best bracketing F1
+    (aiayn's EVALB, COLLINS.prm); a tie goes to the setting listed first. `dev` is the
+    prefix of .words and .trees files; the trees parsed stay in `out`."""
+    from aiayn.decoding.parse import parse_file
+    from aiayn.scoring.evalb import COLLINS
+    from aiayn.scoring.evalb import score_files as score_trees_files
+
+    # COLLINS.prm stops after 10 sentences of unequal length; a half-trained model's trees
+    # never have that (their words are the input's), but a punctuation tag unlike the gold
+    # one does, and choosing a setting must not stop on it
+    params = replace(COLLINS, max_error=10**6)
+    out.mkdir(parents=True, exist_ok=True)
+    tried = []
+    for beam in beams or (decode.beam,):
+        for alpha in alphas or (decode.alpha,):
+            cfg = replace(decode, beam=beam, alpha=alpha, nbest=1)
+            hyp = out / f"beam{beam}.alpha{alpha:g}.trees"
+            _, summary = parse_file(model, tokenizer, Path(f"{dev}.{SOURCE}"), hyp, cfg, device)
+            s = score_trees_files(Path(f"{dev}.trees"), hyp, params).all
+            tried.append(
+                {
+                    "beam": beam,
+                    "alpha": alpha,
+                    "f1": s.f1,
+                    "precision": s.precision,
+                    "recall": s.recall,
+                    "ill_formed": summary["ill_formed"],
+                    "seconds": summary["seconds"],
+                    "sentences_per_s": summary["sentences_per_s"],
+                }
+            )
+            log.info("beam %d alpha %g on dev: F1 %.2f", beam, alpha, s.f1)
+    best = max(tried, key=lambda r: r["f1"])  # max() keeps the first of equals
+    return replace(decode, beam=best["beam"], alpha=best["alpha"]), {
+        "criterion": "bracketing F1 (aiayn's EVALB, COLLINS.prm) on the development set",
+        "sentences": len(list(read_lines(Path(f"{dev}.{SOURCE}")))),
+        "tried": tried,
+        "chosen": {"beam": best["beam"], "alpha": best["alpha"]},
+    }
+
+
+def _scores(summary: Any) -> dict[str, Any]:
+    """The numbers results.json keeps of an EVALB summary."""
+    return {
+        k: getattr(summary, k)
+        for k in (
+            "f1",
+            "precision",
+            "recall",
+            "complete_match",
+            "tagging_accuracy",
+            "sentences",
+            "error_sentences",
+            "skipped_sentences",
+            "matched_brackets",
+            "gold_brackets",
+            "test_brackets",
+        )
+    }
+
+
+def _score_all(
+    gold: Path, systems: dict[str, Path], evalb_source: str, work: Path
+) -> dict[str, Any]:
+    """Each system's scores by aiayn's EVALB and, when given EVALB's source, by EVALB itself
+    (COLLINS.prm), with whether the two printed reports agree."""
+    from aiayn.scoring.evalb import COLLINS, format_report
+    from aiayn.scoring.evalb import score_files as score_trees_files
+
+    ours = {name: score_trees_files(gold, path, COLLINS) for name, path in systems.items()}
+    scores: dict[str, Any] = {
+        name: {"aiayn": _scores(r.all), "aiayn_40": _scores(r.cutoff)} for name, r in ours.items()
+    }
+    if evalb_source:
+        from aiayn.scoring.evalb_reference import build_evalb, run_evalb
+
+        binary = build_evalb(Path(evalb_source), work)
+        params = Path(evalb_source) / "COLLINS.prm"
+        for name, path in systems.items():
+            ref = run_evalb(binary, gold, path, params)
+            scores[name]["evalb"] = _scores(ref.all)
+            report = format_report(ours[name])
+            write_text_atomic(work / f"{name}.aiayn.txt", report)
+            write_text_atomic(work / f"{name}.evalb.txt", ref.report)
+            scores[name]["reports_equal"] = report.strip() == ref.report.strip()
+    return scores
+
+
+def run_parse_recipe(
+    path: str | Path,
+    out: str | Path,
+    *,
+    data: str | Path | None = None,
+    device: str = "cpu",
+    overrides: dict[str, Any] | None = None,
+    hooks: Hooks | None = None,
+) -> dict[str, Any]:
+    """Run a parsing experiment file end to end; see the module docstring for its files.
+
+    Args:
+        path: the experiment file (TOML) with a [recipe] table whose dataset is "ptb".
+        out: the run directory; rerunning resumes training and redoes the later stages.
+        data: a treebank (the NLTK sample's zip, its unzipped folder, or the LDC release's
+            folder); None downloads the NLTK sample.
+        device, overrides, hooks: as `run_recipe`.
+
+    Returns:
+        The results dictionary also written to RUN/results.json.
+    """
+    from aiayn.checkpoints import load_ensemble
+    from aiayn.decoding.ensemble import as_decoder
+    from aiayn.decoding.parse import parse_file
+    from aiayn.parsing.trees import right_branching
+
+    cfg, recipe = load_recipe(path, overrides)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    wall: dict[str, float] = {}
+    clock = time.perf_counter
+
+    t0 = clock()
+    data_ = _data_stage(recipe, cfg, out, data)
+    wall["data_and_prepare_s"] = clock() - t0
+    peak, peak_dtype = matmul_peak_for(cfg, device)
+    t0 = clock()
+    runs, trained = train_stage(recipe, cfg, data_["prepared"], out, device, hooks)
+    wall["train_s"] = clock() - t0
+    check_stopped(trained, out)
+
+    t0 = clock()
+    averaged = average_stage(recipe, runs)
+    models, tokenizer, avg_cfg = load_ensemble(
+        [run / "checkpoint_avg.pt" for run in runs], device=device
+    )
+    model = as_decoder(models)
+    wall["average_s"] = clock() - t0
+
+    decode, tuning = cfg.decode, None
+    if recipe.tune_beam or recipe.tune_alpha:
+        t0 = clock()
+        decode, tuning = tune_parse(
+            model,
+            tokenizer,
+            data_["dev"],
+            cfg.decode,
+            recipe.tune_beam,
+            recipe.tune_alpha,
+            out / "tune",
+            device=device,
+        )
+        wall["tune_s"] = clock() - t0
+
+    t0 = clock()
+    test = data_["test"]
+    hyp = out / "test.trees"
+    result, summary = parse_file(
+        model,
+        tokenizer,
+        Path(f"{test}.{SOURCE}"),
+        hyp,
+        decode,
+        device=device,
+        raw_path=out / "test.lin",
+    )
+    wall["parse_s"] = clock() - t0
+    norepair = out / "test.norepair.trees"
+    write_text_atomic(norepair, "".join(f"{t}\n" for t in result.unrepaired()))
+    rightbranch = out / "test.rightbranch.trees"
+    write_text_atomic(
+        rightbranch, "".join(f"{right_branching(w).to_string()}\n" for w in result.words)
+    )
+    gold = Path(f"{test}.trees")
+    scores = _score_all(
+        gold,
+        {"model": hyp, "model_without_repairs": norepair, "right_branching": rightbranch},
+        recipe.evalb,
+        out / "evalb",
+    )
+
+    train_record = {k: v for k, v in trained[0].items() if k not in ("flops", "seed")}
+    train_seconds = train_record["train_seconds"]
+    flops = sum(t["flops"] for t in trained)
+    results = {
+        "task": "parse",
+        "experiment": str(path),
+        "test_split": "test",
+        "scores": scores,
+        "parse": summary,
+        "averaged": averaged[0],
+        "train": train_record,
+        "flops": {
+            "counted_from_model": flops,
+            "estimated_time_x_devices_x_peak": train_seconds * peak,
+            "sustained_peak_flop_s": peak,
+            "peak_dtype": str(peak_dtype),
+        },
+        "wall_seconds": wall,
+        "tuning": tuning,
+        "parameters": sum(p.numel() for p in models[0].parameters()),
+        "ensemble": len(models),
+        "seed": cfg.train.seed,
+        "recipe": asdict(recipe),
+        "config": replace(avg_cfg, decode=decode).to_dict(),
+        "data": {
+            "treebank": data_["treebank"],
+            "silver": data_["silver"],
+            "prepared_manifest_sha256": sha256_file(data_["prepared"] / "manifest.json"),
+            "vocab_sha256": data_["manifest"]["spm_model"]["sha256"],
+            "test": {"words": sha256_file(Path(f"{test}.{SOURCE}")), "trees": sha256_file(gold)},
+        },
+        **environment(),
+    }
+    write_text_atomic(out / "results.json", json.dumps(results, indent=2) + "\n")
+    plot_runs(out, runs, trained, "parse", str(path))
+    return results
+
+
+def format_parse_results(results: dict[str, Any]) -> str:
+    """F1 by both scorers, the ablations and the speed, for the terminal."""
+    s = results["scores"]
+    p = results["parse"]
+    t = results["train"]
+    d = results["config"]["decode"]
+    lines = [
+        f"parse test ({p['sentences']} sentences), average of {len(results['averaged'])} "
+        f"checkpoints, {results['parameters']:,} params; beam {d['beam']}, alpha {d['alpha']:g}",
+    ]
+    for name, label in (
+        ("model", "model"),
+        ("model_without_repairs", "model, no repairs"),
+        ("right_branching", "right-branching"),
+    ):
+        ours = s[name]["aiayn"]
+        row = (
+            f"  {label:18s} F1 {ours['f1']:6.2f}  P {ours['precision']:6.2f}  "
+            f"R {ours['recall']:6.2f}  complete {ours['complete_match']:6.2f}  (aiayn's EVALB)"
+        )
+        if "evalb" in s[name]:
+            ev = s[name]["evalb"]
+            same = "reports equal" if s[name]["reports_equal"] else "REPORTS DIFFER"
+            row += f"; EVALB F1 {ev['f1']:6.2f} ({same})"
+        lines.append(row)
+    lines.append(
+        f"  ill-formed raw outputs: {p['ill_formed']} of {p['sentences']} (repaired); "
+        f"{p['sentences_per_s']:.2f} sentences/s, {p['output_tokens_per_s']:,.0f} output tokens/s"
+    )
+    lines.append(
+        f"  training: {t['steps']} steps, {t['epochs']} epochs, "
+        f"{t['train_seconds'] / 60:.1f} min ({t['stopped_by']})"
+    )
+    tuning = results.get("tuning")
+    if tuning:
+        tried = ", ".join(f"{r['beam']}/{r['alpha']:g}: {r['f1']:.2f}" for r in tuning["tried"])
+        lines.insert(
+            1, f"  chosen on dev ({tuning['sentences']} sentences; F1 by beam/alpha {tried})"
+        )
+    return "\n".join(lines)

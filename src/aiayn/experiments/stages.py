@@ -1,0 +1,98 @@
+"""The stages every recipe shares, translation's and parsing's: train, average, plot, and
+the matmul ceiling for the FLOPs estimate."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from aiayn.config import Config
+from aiayn.experiments.members import member_dirs, train_members, train_summary
+from aiayn.experiments.recipe_config import RecipeConfig
+from aiayn.training.trainer import Hooks
+
+log = logging.getLogger(__name__)
+
+
+class RecipeStoppedError(Exception):
+    """Training stopped on a signal (SIGTERM, or Ctrl-C): the recipe stops with it, having
+    saved; the same command resumes. `signal_name` is "SIGTERM" or "SIGINT"."""
+
+    def __init__(self, signal_name: str, step: int, out: Path) -> None:
+        super().__init__(
+            f"training stopped by {signal_name} at step {step}, saved; the recipe stops here "
+            f"(no averaging or decoding of an unfinished model): rerun the same command to "
+            f"resume {out}"
+        )
+        self.signal_name = signal_name
+
+
+def matmul_peak_for(cfg: Config, device: str) -> tuple[float, torch.dtype]:
+    """The matmul ceiling for Table 2's FLOPs estimate, measured before training (measured
+    after it in the same process, it came out lower on the CPU)."""
+    from aiayn.fast.flops import cpu_matmul_rates, matmul_peak, slow_bf16_warning
+
+    peak_dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32
+    if cfg.train.dtype == "bf16" and slow_bf16_warning(device):
+        # emulated bf16 (the trainer says so next): the 2048^3 products would take minutes
+        return cpu_matmul_rates()[1], peak_dtype
+    return matmul_peak(peak_dtype, device=device), peak_dtype
+
+
+def train_stage(
+    recipe: RecipeConfig,
+    cfg: Config,
+    prepared: Path,
+    out: Path,
+    device: str,
+    hooks: Hooks | None,
+) -> tuple[list[Path], list[dict[str, Any]]]:
+    """Train the model (or the ensemble's members): their run directories and summaries."""
+    from aiayn.training.trainer import train
+
+    if recipe.ensemble == 1:
+        return [out], [train_summary(train(cfg, prepared, out, device=device, hooks=hooks))]
+    runs = member_dirs(out, recipe.ensemble)
+    return runs, train_members(cfg, prepared, out, recipe.ensemble, device=device, hooks=hooks)
+
+
+def average_stage(recipe: RecipeConfig, runs: list[Path]) -> list[list[str]]:
+    """Average each run's last checkpoints into its checkpoint_avg.pt: the names averaged."""
+    from aiayn.checkpoints import average_checkpoints, list_last, save_checkpoint_file
+
+    averaged = []
+    for run in runs:
+        paths = list_last(run, recipe.average_last, strict=False)
+        save_checkpoint_file(run / "checkpoint_avg.pt", average_checkpoints(paths))
+        averaged.append([p.name for p in paths])
+    return averaged
+
+
+def plot_runs(
+    out: Path, runs: list[Path], trained: list[dict[str, Any]], pair: str, title: str
+) -> None:
+    from aiayn.experiments.curves import plot_curves
+
+    try:
+        labels: dict[str, str | Path] = (
+            {pair: out}
+            if len(runs) == 1
+            else {
+                f"{pair} {run.name} (seed {t['seed']})": run
+                for run, t in zip(runs, trained, strict=True)
+            }
+        )
+        plot_curves(labels, out / "curve.png", title=title)
+    except ImportError:
+        log.info("matplotlib is not installed (pip install 'aiayn[plot]'): no curve.png")
+
+
+def check_stopped(trained: list[dict[str, Any]], out: Path) -> None:
+    """Raise RecipeStoppedError if a signal stopped training: the later stages need a
+    finished model."""
+    for t in trained:
+        if t["stopped_by"] in ("SIGTERM", "SIGINT"):
+            raise RecipeStoppedError(t["stopped_by"], t["steps"], out)

@@ -1,0 +1,127 @@
+"""Parsing with a translation model (section 6.3): whatever the search writes, each input
+line gets one well-formed tree over exactly its words."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from aiayn.config import DecodeConfig, ModelConfig
+from aiayn.data.tokenizer import Tokenizer
+from aiayn.decoding import parse as parse_mod
+from aiayn.decoding.parse import flat_tree, parse_file, parse_lines, sentence_words
+from aiayn.decoding.translate import Translation, translate_lines
+from aiayn.files import InputError
+from aiayn.model import Transformer
+from aiayn.parsing.trees import delinearize, parse_tree
+from aiayn.scoring.evalb import COLLINS, score_trees
+
+SENTENCES = [
+    "The cat sat on the mat .",
+    "Stocks fell sharply , traders said .",
+    "He did n't ( really ) care .",
+    "Yes",
+]
+TREES = [
+    "(S (NP XX XX )NP (VP XX (PP XX (NP XX XX )NP )PP )VP XX )S",
+    "(S (S (NP XX )NP (VP XX (ADVP XX )ADVP )VP )S XX (NP XX )NP (VP XX )VP XX )S",
+    "(S (NP XX )NP (VP XX XX (PRN XX (ADVP XX )ADVP XX )PRN (VP XX )VP )VP XX )S",
+    "(INTJ XX )INTJ",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.train_from_sentences(
+        SENTENCES * 3 + TREES * 3, 120, None, split_by_script=False
+    )
+
+
+def random_model(vocab: int, seed: int) -> Transformer:
+    torch.manual_seed(seed)
+    cfg = ModelConfig(N=1, d_model=32, d_ff=64, h=2, d_k=16, d_v=16, vocab_size=vocab)
+    return Transformer(cfg).eval()
+
+
+def leaves(tree: str) -> list[str]:
+    return parse_tree(tree).leaves()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_an_untrained_models_outputs_become_trees_over_exactly_the_words(tokenizer, seed):
+    """An untrained model writes garbage: every line still gets one tree over its words,
+    and the lines that needed a repair are the ones counted as ill-formed."""
+    model = random_model(tokenizer.vocab_size, seed)
+    cfg = DecodeConfig(beam=3, alpha=0.3, max_len_a=1.0, max_len_b=20)
+    result = parse_lines(model, tokenizer, SENTENCES, cfg)
+    assert len(result.trees) == len(SENTENCES) == len(result.raw)
+    for tree, line in zip(result.trees, SENTENCES, strict=True):
+        assert "\n" not in tree
+        assert leaves(tree) == sentence_words(line)
+    # the trees are what delinearize makes of the search's own outputs
+    raw = translate_lines(model, tokenizer, [" ".join(sentence_words(s)) for s in SENTENCES], cfg)
+    assert result.raw == raw
+    for i, (r, line) in enumerate(zip(raw, SENTENCES, strict=True)):
+        tree, repairs = delinearize(r, sentence_words(line))
+        assert result.trees[i] == tree.to_string()
+        assert (i in result.ill_formed) == (repairs.total > 0)
+    assert result.repairs.total >= len(result.ill_formed)
+    assert result.output_tokens == sum(len(tokenizer.encode(r)) for r in raw)
+    summary = result.summary()
+    assert summary["sentences"] == 4 and summary["ill_formed"] == len(result.ill_formed)
+
+
+def test_well_formed_outputs_are_kept_and_ill_formed_ones_repaired(tokenizer, monkeypatch):
+    """The search's text is the tree: a valid linearization is used as it is; a broken one
+    is repaired, counted, and scores as no constituent in the no-repair row."""
+    outputs = [TREES[0], "(S (NP XX XX )VP XX", TREES[2], ""]
+
+    def fake_nbest(model, tok, lines, cfg, *args, **kwargs):
+        return [[Translation(o, 0.0)] for o in outputs], None
+
+    monkeypatch.setattr(parse_mod, "translate_nbest", fake_nbest)
+    result = parse_lines(None, tokenizer, SENTENCES, DecodeConfig())  # type: ignore[arg-type]
+    assert result.ill_formed == [1, 3]
+    assert result.trees[0] == delinearize(TREES[0], sentence_words(SENTENCES[0]))[0].to_string()
+    assert result.repairs.total >= 2
+    unrepaired = result.unrepaired()
+    assert unrepaired[0] == result.trees[0] and unrepaired[2] == result.trees[2]
+    assert unrepaired[1] == flat_tree(sentence_words(SENTENCES[1]))
+    # scored against the repaired trees themselves: the no-repair row loses exactly the
+    # brackets of the ill-formed sentences, and nothing it proposes is wrong
+    gold = result.trees
+    full = score_trees(gold, result.trees, COLLINS).all
+    bare = score_trees(gold, unrepaired, COLLINS).all
+    assert full.f1 == 100.0 and bare.precision == 100.0 and bare.recall < 100.0
+
+
+def test_brackets_in_words_are_written_as_the_treebank_writes_them():
+    assert sentence_words("f ( x ) [ y ] { z }") == [
+        "f", "-LRB-", "x", "-RRB-", "-LSB-", "y", "-RSB-", "-LCB-", "z", "-RCB-",
+    ]  # fmt: skip
+    tree = flat_tree(["He", "said", ",", "no", "."])
+    assert tree == "(TOP (XX He) (XX said) (, ,) (XX no) (. .))"
+
+
+def test_an_empty_sentence_is_an_error_naming_its_line(tokenizer, tmp_path):
+    path = tmp_path / "in.words"
+    path.write_text("A cat .\n\nDogs bark .\n")
+    out = tmp_path / "out.trees"
+    model = random_model(tokenizer.vocab_size, 0)
+    with pytest.raises(InputError, match=rf"{path}:2: empty sentence"):
+        parse_file(model, tokenizer, path, out, DecodeConfig(beam=1, max_len_b=5))
+    assert not out.exists()  # refused before any output was opened
+
+
+def test_parse_file_writes_a_tree_a_line_and_the_raw_outputs(tokenizer, tmp_path):
+    path = tmp_path / "in.words"
+    path.write_text("".join(f"{s}\n" for s in SENTENCES))
+    out, raw = tmp_path / "out.trees", tmp_path / "out.lin"
+    model = random_model(tokenizer.vocab_size, 1)
+    result, summary = parse_file(
+        model, tokenizer, path, out, DecodeConfig(beam=2, max_len_b=12), raw_path=raw
+    )
+    trees = out.read_text().splitlines()
+    assert trees == result.trees and raw.read_text().splitlines() == result.raw
+    assert [leaves(t) for t in trees] == [sentence_words(s) for s in SENTENCES]
+    assert summary["sentences"] == 4 and summary["output_tokens_per_s"] > 0

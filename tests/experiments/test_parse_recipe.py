@@ -1,0 +1,153 @@
+"""The parsing recipe (section 6.3) end to end on a slice of the treebank sample, and its
+configuration."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from aiayn.cli import main
+from aiayn.config import ConfigError, get_preset
+from aiayn.experiments.parse_recipe import mix_silver
+from aiayn.experiments.recipe_config import load_recipe
+from aiayn.files import read_lines
+from aiayn.scoring.evalb import score_files as score_tree_files
+from helpers import ROOT
+
+PTB_SAMPLE = ROOT.parent / "shared" / "data" / "ptb-sample" / "treebank.zip"
+EVALB = ROOT.parent / "shared" / "tools" / "EVALB"
+CONFIG = ROOT / "configs" / "ptb-sample-parse.toml"
+
+needs_sample = pytest.mark.skipif(
+    not PTB_SAMPLE.is_file(), reason="needs ../shared/data/ptb-sample/treebank.zip"
+)
+
+# Shrinks the recipe to seconds: the same file and stages, a toy model, short outputs.
+SMALL = [
+    "recipe.max_train_pairs=200",
+    "recipe.max_test_pairs=10",
+    "recipe.vocab_size=300",
+    "recipe.average_last=2",
+    "recipe.tune_beam=1,2",
+    "recipe.tune_alpha=0.3,1.0",
+    "N=1",
+    "d_model=32",
+    "d_ff=64",
+    "h=2",
+    "d_k=16",
+    "d_v=16",
+    "max_steps=8",
+    "save_interval_steps=4",
+    "valid_interval_steps=8",
+    "log_interval_steps=2",
+    "train.max_tokens=1500",
+    "dtype=fp32",
+    "warmup_steps=4",
+    "decode.max_len_a=2",  # an untrained model writes until the cap: keep it short
+    "decode.max_len_b=10",
+]
+
+
+def test_the_parse_preset_is_the_papers_parser():
+    """Section 6.3: 4 layers, d_model 1024, otherwise the base model; beam 21, alpha 0.3,
+    maximum output length input + 300."""
+    cfg, base = get_preset("parse"), get_preset("base")
+    m = cfg.model
+    assert (m.N, m.d_model, m.d_ff, m.h, m.d_k, m.d_v) == (4, 1024, 2048, 8, 128, 128)
+    assert m.h * m.d_k == m.d_model and m.P_drop == base.model.P_drop
+    d = cfg.decode
+    assert (d.beam, d.alpha, d.max_len_a, d.max_len_b) == (21, 0.3, 1.0, 300)
+    assert cfg.train.eps_ls == base.train.eps_ls and cfg.train.warmup_steps == 4000
+
+
+def test_the_recipe_file_keeps_the_papers_decoding_and_layers():
+    cfg, recipe = load_recipe(CONFIG)
+    assert recipe.dataset == "ptb" and cfg.model.N == 4
+    assert (cfg.decode.beam, cfg.decode.alpha, cfg.decode.max_len_b) == (21, 0.3, 300)
+    assert 21 in recipe.tune_beam and 0.3 in recipe.tune_alpha
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("recipe.dataset", "wsj", "recipe.dataset must be one of"),
+        ("recipe.tune_beam", "4,x", "comma-separated integers"),
+        ("recipe.silver_ratio", "0", "silver_ratio must be > 0"),
+        ("recipe.treebank_split", "mine", "treebank_split must be"),
+    ],
+)
+def test_bad_parse_recipe_settings_are_refused_by_name(key, value, message):
+    with pytest.raises(ConfigError, match=message):
+        load_recipe(CONFIG, {key: value})
+
+
+def test_parse_only_keys_are_refused_for_translation(tmp_path):
+    path = tmp_path / "t.toml"
+    path.write_text('preset = "tiny"\n[recipe]\ndataset = "multi30k"\ntune_beam = [4]\n')
+    with pytest.raises(ConfigError, match="recipe.tune_beam is for dataset = 'ptb' only"):
+        load_recipe(path)
+
+
+def test_silver_mixing_reaches_the_ratio_by_repeating_gold(tmp_path):
+    for name, n in (("gold", 3), ("silver", 12)):
+        (tmp_path / f"{name}.words").write_text("".join(f"{name}{i}\n" for i in range(n)))
+        (tmp_path / f"{name}.lin").write_text("".join(f"(S XX )S {i}\n" for i in range(n)))
+    counts = mix_silver(tmp_path / "gold", tmp_path / "silver", 2.0, tmp_path / "mixed")
+    # 12 silver at 2 silver a gold: the 3 gold trees twice, then every silver tree
+    assert counts == {"gold": 3, "silver": 12, "gold_copies": 2, "silver_per_gold": 2.0}
+    words = list(read_lines(tmp_path / "mixed.words"))
+    assert words == [f"gold{i}" for i in range(3)] * 2 + [f"silver{i}" for i in range(12)]
+    assert len(list(read_lines(tmp_path / "mixed.lin"))) == len(words)
+    # fewer silver trees than the ratio asks: gold once, all silver
+    counts = mix_silver(tmp_path / "gold", tmp_path / "silver", 10.0, tmp_path / "m2")
+    assert counts["gold_copies"] == 1 and counts["silver_per_gold"] == 4.0
+
+
+@needs_sample
+@pytest.mark.skipif(
+    shutil.which("gcc") is None and shutil.which("cc") is None, reason="no C compiler"
+)
+def test_parse_recipe_runs_end_to_end_and_both_scorers_agree(tmp_path, monkeypatch, capsys):
+    """A fresh run: treebank -> train -> average -> tune beam and alpha on dev -> parse test
+    -> F1 from aiayn's scorer and from EVALB, equal; a rerun resumes."""
+    monkeypatch.setenv("AIAYN_NO_MALLOC_TUNING", "1")
+    out = tmp_path / "run"
+    args = ["recipe", str(CONFIG), "--data", str(PTB_SAMPLE), "--out", str(out), "--no-progress"]
+    for item in [*SMALL, f"recipe.evalb={EVALB}"]:
+        args += ["--set", item]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    results = json.loads((out / "results.json").read_text())
+    assert results["task"] == "parse" and results["train"]["steps"] == 8
+    assert results["averaged"] == ["checkpoint_4.pt", "checkpoint_8.pt"]
+    scores = results["scores"]
+    for system in ("model", "model_without_repairs", "right_branching"):
+        assert scores[system]["reports_equal"], system
+        ours, evalb = scores[system]["aiayn"], scores[system]["evalb"]
+        for key in ("f1", "precision", "recall", "gold_brackets", "test_brackets"):
+            assert ours[key] == evalb[key], (system, key)
+    # every test sentence got a tree, over its own words
+    trees = list(read_lines(out / "test.trees"))
+    assert len(trees) == 10 == results["parse"]["sentences"]
+    assert scores["model"]["aiayn"]["error_sentences"] == 0
+    # a right-branching tree has brackets, the unrepaired ill-formed outputs have none
+    assert scores["right_branching"]["aiayn"]["test_brackets"] > 0
+    rescored = score_tree_files(out / "data" / "test.first10.trees", out / "test.trees")
+    assert rescored.all.f1 == scores["model"]["aiayn"]["f1"]
+    tuning = results["tuning"]
+    assert [(r["beam"], r["alpha"]) for r in tuning["tried"]] == [
+        (1, 0.3),
+        (1, 1.0),
+        (2, 0.3),
+        (2, 1.0),
+    ]
+    best = max(r["f1"] for r in tuning["tried"])
+    chosen = next(r for r in tuning["tried"] if r["f1"] == best)
+    assert tuning["chosen"] == {"beam": chosen["beam"], "alpha": chosen["alpha"]}
+    assert results["config"]["decode"]["beam"] == chosen["beam"]
+    assert "EVALB F1" in printed and "right-branching" in printed
+    assert main(args) == 0  # rerun: training done, the later stages redone, same scores
+    again = json.loads((out / "results.json").read_text())
+    assert again["scores"] == scores and again["train"]["steps"] == 8
