@@ -514,3 +514,50 @@ def test_bench_refuses_counts_below_one(argv: tuple[str, ...]) -> None:
     code, _, err = cli("bench", argv[0], "--preset", "tiny", *argv[1:])
     assert code == 2
     assert_one_line_error(err, argv[1], ">= 1")
+
+
+# --------------------------------------------------------------------------- parsing (issue 54)
+GOLD = "(S (NP (DT a)) (VP (VB b)))\n"
+
+
+def test_a_treebank_with_an_unbalanced_tree_is_named_by_member_and_line(tmp_path: Path) -> None:
+    import zipfile
+
+    bad = tmp_path / "treebank.zip"
+    with zipfile.ZipFile(bad, "w") as z:
+        z.writestr(
+            "treebank/combined/wsj_0001.mrg",
+            "( (S (NP (DT a)) (VP (VB b))) )\n\n( (S (NP (DT a)\n  (VP (VB b))) \n",
+        )
+    code, _, err = cli("data", "ptb", "--from", bad, "--out", tmp_path / "out")
+    assert code == 1
+    assert_one_line_error(err, f"{bad}/treebank/combined/wsj_0001.mrg:3", "unbalanced bracket")
+    assert not (tmp_path / "out" / "train.trees").exists()
+    code, _, err = cli("data", "ptb", "--from", tmp_path / "nothere", "--out", tmp_path / "o")
+    assert code == 2
+    assert_one_line_error(err, "nothere", "no such file")
+
+
+def test_tree_files_that_do_not_align_are_refused_naming_both(tmp_path: Path) -> None:
+    gold, hyp = tmp_path / "gold.trees", tmp_path / "hyp.trees"
+    gold.write_text(GOLD * 2)
+    hyp.write_text(GOLD)  # a line missing
+    code, _, err = cli("evaluate", "--task", "parse", "--hyp", hyp, "--ref", gold)
+    assert code == 1
+    assert_one_line_error(err, "gold.trees has 2 lines", "hyp.trees has 1")
+    hyp.write_text(GOLD * 2)  # negative control
+    code, out, _ = cli("evaluate", "--task", "parse", "--hyp", hyp, "--ref", gold)
+    assert code == 0 and "F1 100.00" in out
+
+
+def test_parse_refuses_an_empty_sentence_naming_its_line(run_dir: Path, tmp_path: Path) -> None:
+    words = tmp_path / "in.words"
+    words.write_text("a b\n\nc d\n")
+    out = tmp_path / "out.trees"
+    args = ["parse", "--checkpoint", run_dir / "checkpoint_10.pt", "--no-progress"]
+    code, _, err = cli(*args, "--input", words, "--output", out, "--beam", "1")
+    assert code == 1
+    assert_one_line_error(err, f"{words}:2: empty sentence")
+    assert not out.exists()
+    code, _, err = cli(*args, "--input", words, "--output", words)
+    assert code == 2  # an output over its input, refused before loading anything

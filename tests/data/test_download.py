@@ -15,10 +15,12 @@ import pytest
 
 from aiayn.data.download import (
     PINNED_SHA256,
+    PTB_SAMPLE_SHA256,
     SUMS_FILE,
     ChecksumError,
     DownloadError,
     download_multi30k,
+    download_ptb_sample,
 )
 from aiayn.files import sha256_file
 from helpers import MULTI30K  # noqa: E402
@@ -146,3 +148,47 @@ def test_unreachable_server_is_a_clear_error(tmp_path: Path) -> None:
         download_multi30k(
             tmp_path, splits=["val"], langs=["en"], base_url="http://127.0.0.1:9/", timeout=5
         )
+
+
+PTB_SAMPLE = MULTI30K.parent / "ptb-sample"
+
+
+@pytest.fixture
+def ptb_server(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """A local HTTP server over a folder holding the treebank sample (and, for the
+    tampered case, a changed copy of it)."""
+    root = tmp_path / "www"
+    root.mkdir()
+    shutil.copy(PTB_SAMPLE / "treebank.zip", root / "treebank.zip")
+    (root / "tampered.zip").write_bytes(b"X" + (root / "treebank.zip").read_bytes()[1:])
+
+    class Quiet(SimpleHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(root)))
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}/", root
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+@pytest.mark.skipif(not (PTB_SAMPLE / "treebank.zip").is_file(), reason="no treebank sample")
+def test_the_treebank_sample_downloads_verified_and_a_changed_one_is_not_kept(
+    tmp_path: Path, ptb_server: tuple[str, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    url, _ = ptb_server
+    out = tmp_path / "raw"
+    path = download_ptb_sample(out, url=url + "treebank.zip", timeout=10)
+    assert path == out / "treebank.zip" and sha256_file(path) == PTB_SAMPLE_SHA256
+    with caplog.at_level(logging.INFO):  # a verified copy is kept, not fetched again
+        download_ptb_sample(out, url=url + "missing.zip", timeout=10)
+    assert "present and verified" in caplog.text
+    other = tmp_path / "other"
+    with pytest.raises(ChecksumError, match="sha256 mismatch"):
+        download_ptb_sample(other, url=url + "tampered.zip", timeout=10)
+    assert not (other / "treebank.zip").exists()
+    with pytest.raises(DownloadError, match="not found"):
+        download_ptb_sample(other, url=url + "missing.zip", timeout=10)

@@ -114,13 +114,40 @@ def test_parse_recipe_runs_end_to_end_and_both_scorers_agree(tmp_path, monkeypat
     -> F1 from aiayn's scorer and from EVALB, equal; a rerun resumes."""
     monkeypatch.setenv("AIAYN_NO_MALLOC_TUNING", "1")
     out = tmp_path / "run"
+    # the semi-supervised setting on small data: 30 silver trees as a parser writes them
+    silver = tmp_path / "silver.trees"
+    silver.write_text(
+        "".join(
+            f"(TOP (S (NP-SBJ (DT the) (NN cat{i})) (VP (VBD sat) (PP (IN on) (NP (NN mat))))"
+            " (. .)))\n"
+            for i in range(30)
+        )
+    )
     args = ["recipe", str(CONFIG), "--data", str(PTB_SAMPLE), "--out", str(out), "--no-progress"]
-    for item in [*SMALL, f"recipe.evalb={EVALB}"]:
+    for item in [
+        *SMALL,
+        f"recipe.evalb={EVALB}",
+        f"recipe.silver={silver}",
+        "recipe.silver_ratio=0.1",
+    ]:
         args += ["--set", item]
     assert main(args) == 0
     printed = capsys.readouterr().out
     results = json.loads((out / "results.json").read_text())
     assert results["task"] == "parse" and results["train"]["steps"] == 8
+    # 200 gold trees repeated round(30 / (0.1 x 200)) = 2 times, then the 30 silver ones
+    assert results["data"]["silver"] == {
+        "gold": 200,
+        "silver": 30,
+        "gold_copies": 2,
+        "silver_per_gold": 0.075,
+    }
+    mixed = list(read_lines(out / "data" / "train.mixed.lin"))
+    assert (
+        len(mixed) == 430 and mixed[-1] == "(S (NP XX XX )NP (VP XX (PP XX (NP XX )NP )PP )VP XX )S"
+    )
+    manifest = json.loads((out / "data" / "prepared" / "manifest.json").read_text())
+    assert manifest["splits"]["train"]["lines"] == 430
     assert results["averaged"] == ["checkpoint_4.pt", "checkpoint_8.pt"]
     scores = results["scores"]
     for system in ("model", "model_without_repairs", "right_branching"):

@@ -127,7 +127,7 @@ def cmd_data(args: argparse.Namespace) -> int:
 def _data_ptb(args: argparse.Namespace) -> int:
     """`aiayn data ptb`: a treebank's splits as trees, words and linearized trees."""
     from aiayn.data.download import download_ptb_sample
-    from aiayn.parsing.ptb import prepare_treebank
+    from aiayn.parsing.ptb import DOWNLOAD_DIR, prepare_treebank
 
     if args.splits or args.langs:
         raise UsageError("--splits and --langs are for multi30k; ptb takes --split")
@@ -137,11 +137,11 @@ def _data_ptb(args: argparse.Namespace) -> int:
         if not source.exists():
             raise UsageError(f"--from {source}: no such file or directory")
     else:
-        source = download_ptb_sample(out / "raw")
+        source = download_ptb_sample(out / DOWNLOAD_DIR)
     manifest = prepare_treebank(source, out, split=args.split)
     for split, info in manifest["splits"].items():
         print(f"{split}: {json.dumps(info)}")
-    print(f"treebank ({manifest['split']} split) in {out}")
+    print(f"{manifest['split']['summary']}; written to {out}")
     return 0
 
 
@@ -172,6 +172,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         on_empty=args.on_empty,
         on_bad_utf8=args.on_bad_utf8,
         lowercase=args.lowercase,
+        split_by_script=args.split_by_script,
     )
     for split, info in manifest.get("splits", {}).items():
         print(f"{split}: {info}")

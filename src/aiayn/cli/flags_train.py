@@ -85,7 +85,9 @@ examples:
   aiayn prepare -s en -t de --trainpref data/multi30k/train \\
       --validpref data/multi30k/val --testpref data/multi30k/test_2016_flickr \\
       --out data/multi30k-en-de --vocab-size 8000
-  aiayn prepare -s en -t de --trainpref corpus/train --out data/lc --lowercase""",
+  aiayn prepare -s en -t de --trainpref corpus/train --out data/lc --lowercase
+  aiayn prepare -s words -t lin --trainpref data/ptb/train --validpref data/ptb/dev \\
+      --out data/ptb-prepared --vocab-size 4000 --max-len 512 --no-split-by-script""",
     )
     p.add_argument(
         "--source-lang",
@@ -155,6 +157,13 @@ examples:
         action="store_true",
         help="a vocabulary that lowercases what it encodes (so a model trained on "
         "it lowercases any input it translates)",
+    )
+    p.add_argument(
+        "--no-split-by-script",
+        dest="split_by_script",
+        action="store_false",
+        help="let a subword span a bracket and letters, so that each token of a "
+        "linearized tree, like (NP or )VP, is one piece (parsing needs it)",
     )
     return p
 

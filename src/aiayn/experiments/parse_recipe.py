@@ -93,19 +93,20 @@ def _data_stage(
     ptb = out / "data" / "ptb"
     treebank = prepare_treebank(source, ptb, split=recipe.treebank_split)
     train, dev, test = ptb / "train", ptb / "dev", ptb / "test"
+    if recipe.max_train_pairs:  # a smoke run: the first gold trees (silver comes after)
+        n = recipe.max_train_pairs
+        _first_lines(train, (SOURCE, TARGET), out / "data" / f"train.first{n}", n)
+        train = out / "data" / f"train.first{n}"
     silver_counts = None
     if recipe.silver:
         silver = out / "data" / "silver"
         tree_file_to_pairs(
             Path(recipe.silver), Path(f"{silver}.{SOURCE}"), Path(f"{silver}.{TARGET}")
         )
-        train = out / "data" / "train.mixed"
-        silver_counts = mix_silver(ptb / "train", silver, recipe.silver_ratio, train)
+        mixed = out / "data" / "train.mixed"
+        silver_counts = mix_silver(train, silver, recipe.silver_ratio, mixed)
+        train = mixed
         log.info("training on gold and silver trees: %s", silver_counts)
-    if recipe.max_train_pairs:
-        n = recipe.max_train_pairs
-        _first_lines(train, (SOURCE, TARGET), out / "data" / f"train.first{n}", n)
-        train = out / "data" / f"train.first{n}"
     if recipe.max_test_pairs:
         n = recipe.max_test_pairs
         for name in ("dev", "test"):

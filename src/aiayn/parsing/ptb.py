@@ -58,6 +58,8 @@ MANIFEST_FILE = "manifest.json"
 OUTPUT_FILES = frozenset(
     {MANIFEST_FILE} | {f"{s}.{ext}" for s in SPLITS for ext in ("trees", "words", "lin")}
 )
+#: Where `aiayn data ptb` keeps the treebank it downloaded (NLTK's sample), inside `out`.
+DOWNLOAD_DIR = "raw"
 
 #: Inclusive ranges per split: of file numbers (wsj_NNNN) for the sample, of sections
 #: (the number's first two digits) for the LDC release.
@@ -200,6 +202,7 @@ def _check_out(out: Path) -> None:
             p.name
             for p in out.iterdir()
             if p.name not in OUTPUT_FILES
+            and not (p.name == DOWNLOAD_DIR and p.is_dir())
             and not (p.name.startswith(".") and p.name.endswith(".tmp"))
         )
         if foreign:
