@@ -64,7 +64,7 @@ def test_the_parse_preset_is_the_papers_parser():
 
 def test_the_recipe_file_keeps_the_papers_decoding_and_layers():
     cfg, recipe = load_recipe(CONFIG)
-    assert recipe.dataset == "ptb" and cfg.model.N == 4
+    assert recipe.dataset == "ptb" and cfg.model.N == 4 and recipe.linearization == "words"
     assert (cfg.decode.beam, cfg.decode.alpha, cfg.decode.max_len_b) == (21, 0.3, 300)
     assert 21 in recipe.tune_beam and 0.3 in recipe.tune_alpha
 
@@ -76,6 +76,7 @@ def test_the_recipe_file_keeps_the_papers_decoding_and_layers():
         ("recipe.tune_beam", "4,x", "comma-separated integers"),
         ("recipe.silver_ratio", "0", "silver_ratio must be > 0"),
         ("recipe.treebank_split", "mine", "treebank_split must be"),
+        ("recipe.linearization", "xx", "linearization must be 'gafl' or 'words'"),
     ],
 )
 def test_bad_parse_recipe_settings_are_refused_by_name(key, value, message):
@@ -142,10 +143,9 @@ def test_parse_recipe_runs_end_to_end_and_both_scorers_agree(tmp_path, monkeypat
         "gold_copies": 2,
         "silver_per_gold": 0.075,
     }
-    mixed = list(read_lines(out / "data" / "train.mixed.lin"))
-    assert (
-        len(mixed) == 430 and mixed[-1] == "(S (NP XX XX )NP (VP XX (PP XX (NP XX )NP )PP )VP XX )S"
-    )
+    mixed = list(read_lines(out / "data" / "train.mixed.linw"))  # the file's "words" target
+    assert len(mixed) == 430
+    assert mixed[-1] == "(S (NP the cat29 )NP (VP sat (PP on (NP mat )NP )PP )VP . )S"
     manifest = json.loads((out / "data" / "prepared" / "manifest.json").read_text())
     assert manifest["splits"]["train"]["lines"] == 430
     assert results["averaged"] == ["checkpoint_4.pt", "checkpoint_8.pt"]

@@ -210,8 +210,11 @@ def test_prepare_writes_aligned_splits_and_a_manifest(tmp_path: Path) -> None:
     assert len(trees) == len(words) == len(lin) == 4
     assert trees[0] == "(S (VP (VBD ran) (ADVP (RB today))) (. .))"
     assert words[1] == "the wsj_0180 sat ." and lin[1] == "(S (NP XX XX )NP (VP XX )VP XX )S"
+    linw = (out / "test.linw").read_text().splitlines()
+    assert linw[1] == "(S (NP the wsj_0180 )NP (VP sat )VP . )S"
     for n, tree in read_tree_lines(out / "test.trees"):
         assert words[n - 1].split() == tree.leaves() and lin[n - 1] == linearize(tree)
+        assert linw[n - 1] == linearize(tree, words=True)
 
 
 def test_prepare_ldc_layout_and_forced_splits(tmp_path: Path) -> None:

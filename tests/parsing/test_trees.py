@@ -59,15 +59,16 @@ NOISE = st.sampled_from(
 )
 
 
-def is_valid(tokens: list[str], n_words: int) -> bool:
+def is_valid(tokens: list[str], words: list[str]) -> bool:
     """The grammar of a linearized tree, written independently of `delinearize`: one
-    constituent, labels matching, none empty, exactly one XX per word."""
+    constituent, labels matching, none empty, exactly one XX (or the word itself) per
+    word."""
     stack: list[list] = []
     count, done = 0, False
     for tok in tokens:
         if done:
             return False
-        if tok == "XX" and stack:
+        if stack and count < len(words) and tok in ("XX", words[count]):
             count += 1
             stack[-1][1] += 1
         elif tok.startswith("(") and len(tok) > 1:
@@ -81,7 +82,7 @@ def is_valid(tokens: list[str], n_words: int) -> bool:
             done = not stack
         else:
             return False
-    return done and count == n_words
+    return done and count == len(words)
 
 
 # --------------------------------------------------------------------------- the Tree
@@ -258,6 +259,22 @@ def test_clean_is_idempotent(tree: Tree) -> None:
 def test_linearize_example() -> None:
     """Vinyals et al.'s target: labels on both brackets, XX for each word."""
     assert linearize(t(CAT)) == "(S (NP XX XX )NP (VP XX )VP XX )S"
+    # the variant with the words in their places (what the decoder then copies)
+    assert linearize(t(CAT), words=True) == "(S (NP the cat )NP (VP sat )VP . )S"
+    odd = Tree("S", [Tree("NN", word="(S"), Tree("NN", word=")x"), Tree("NN", word="y")])
+    assert linearize(odd, words=True) == "(S XX XX y )S"  # words that read as brackets
+    # the words due, in their places, need no repair
+    tree, repairs = delinearize("(S a (NP b XX )NP )S", ["a", "b", "c"])
+    assert tree == t("(S (XX a) (NP (XX b) (XX c)))") and repairs.total == 0
+
+
+@given(TREES)
+@settings(max_examples=150, deadline=None, database=None)
+def test_delinearize_inverts_linearize_with_words(tree: Tree) -> None:
+    words = tree.leaves()
+    back, repairs = delinearize(linearize(tree, words=True), words)
+    assert repairs == Repairs() and back == delinearize(linearize(tree), words)[0]
+    assert delinearize(linearize(tree, words=True), words, tags=tree.pos_tags())[0] == tree
 
 
 @given(TREES)
@@ -303,7 +320,7 @@ def test_mutated_sequences_always_give_a_tree_over_the_words(
     assert back.leaves() == words and not back.is_preterminal
     again, none = delinearize(linearize(back), words, repair=False)  # well formed
     assert again == back and none.total == 0
-    valid = is_valid(text.split(), len(words))
+    valid = is_valid(text.split(), words)
     assert (repairs.total == 0) == valid == repairs.well_formed
     if valid:
         assert delinearize(text, words, repair=False)[0] == back
@@ -337,9 +354,11 @@ ABC = ["a", "b", "c"]
         ),
         # ... or, with none open, to the root
         ("(S (NP XX )NP )S", ABC, "(S (NP (XX a)) (XX b) (XX c))", {"missing_words": 2}),
-        ("(S XX ( XX oops XX )S", ABC, "(S (XX a) (XX b) (XX c))", {"unknown_tokens": 2}),
+        ("(S XX ( XX ) XX )S", ABC, "(S (XX a) (XX b) (XX c))", {"unknown_tokens": 2}),
         # a label holding a bracket would not read back: an untrained model wrote these
         ("(S ((ad XX XX )S) XX )S", ABC, "(S (XX a) (XX b) (XX c))", {"unknown_tokens": 2}),
+        # a word in a word's place: the one due is fine, another is replaced by it
+        ("(S a (NP oops XX )NP )S", ABC, "(S (XX a) (NP (XX b) (XX c)))", {"changed_words": 1}),
         ("(S (NP )NP XX XX XX )S", ABC, "(S (XX a) (XX b) (XX c))", {"empty_constituents": 1}),
         ("(NP XX )NP (VP XX XX )VP", ABC, "(S (NP (XX a)) (VP (XX b) (XX c)))", {"root_added": 1}),
         ("XX", ["a"], "(S (XX a))", {"root_added": 1}),
@@ -365,6 +384,7 @@ def test_repairs_add_up() -> None:
         "surplus_words": 1,
         "missing_words": 0,
         "unknown_tokens": 0,
+        "changed_words": 0,
         "empty_constituents": 0,
         "root_added": 2,
     }

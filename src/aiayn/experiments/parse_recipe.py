@@ -48,23 +48,25 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: The file suffixes of the parallel text: the words are the source, the tree the target.
-SOURCE, TARGET = "words", "lin"
+#: The file suffix of the source side: the words (the target's: `ptb.TARGETS`).
+SOURCE = "words"
 
 
-def mix_silver(gold: Path, silver: Path, ratio: float, out: Path) -> dict[str, int | float]:
+def mix_silver(
+    gold: Path, silver: Path, ratio: float, out: Path, target: str = "lin"
+) -> dict[str, int | float]:
     """Write OUT.words/.lin: the gold pairs repeated to reach `ratio` silver per gold, then
     every silver pair (the paper's semi-supervised setting mixes both). `gold` and `silver`
-    are prefixes of .words/.lin files.
+    are prefixes of .words files and of target files (suffix `target`).
 
     Returns:
         Counts: gold, silver, gold_copies, and the ratio reached.
     """
-    g = {s: list(read_lines(Path(f"{gold}.{s}"))) for s in (SOURCE, TARGET)}
-    v = {s: list(read_lines(Path(f"{silver}.{s}"))) for s in (SOURCE, TARGET)}
+    g = {s: list(read_lines(Path(f"{gold}.{s}"))) for s in (SOURCE, target)}
+    v = {s: list(read_lines(Path(f"{silver}.{s}"))) for s in (SOURCE, target)}
     n_gold, n_silver = len(g[SOURCE]), len(v[SOURCE])
     copies = max(1, round(n_silver / (ratio * n_gold))) if n_gold else 1
-    for side in (SOURCE, TARGET):
+    for side in (SOURCE, target):
         lines = g[side] * copies + v[side]
         write_text_atomic(Path(f"{out}.{side}"), "".join(f"{x}\n" for x in lines))
     return {
@@ -87,37 +89,41 @@ def _data_stage(
     """The treebank's splits as files, silver mixed in, a smoke run's truncation, prepared."""
     from aiayn.data.download import download_ptb_sample
     from aiayn.data.prepare import prepare
-    from aiayn.parsing.ptb import prepare_treebank, tree_file_to_pairs
+    from aiayn.parsing.ptb import TARGETS, prepare_treebank, tree_file_to_pairs
 
     source = Path(data) if data is not None else download_ptb_sample(out / "data" / "raw")
     ptb = out / "data" / "ptb"
     treebank = prepare_treebank(source, ptb, split=recipe.treebank_split)
     train, dev, test = ptb / "train", ptb / "dev", ptb / "test"
+    target = TARGETS[recipe.linearization]
     if recipe.max_train_pairs:  # a smoke run: the first gold trees (silver comes after)
         n = recipe.max_train_pairs
-        _first_lines(train, (SOURCE, TARGET), out / "data" / f"train.first{n}", n)
+        _first_lines(train, (SOURCE, target), out / "data" / f"train.first{n}", n)
         train = out / "data" / f"train.first{n}"
     silver_counts = None
     if recipe.silver:
         silver = out / "data" / "silver"
         tree_file_to_pairs(
-            Path(recipe.silver), Path(f"{silver}.{SOURCE}"), Path(f"{silver}.{TARGET}")
+            Path(recipe.silver),
+            Path(f"{silver}.{SOURCE}"),
+            Path(f"{silver}.{target}"),
+            with_words=recipe.linearization == "words",
         )
         mixed = out / "data" / "train.mixed"
-        silver_counts = mix_silver(train, silver, recipe.silver_ratio, mixed)
+        silver_counts = mix_silver(train, silver, recipe.silver_ratio, mixed, target)
         train = mixed
         log.info("training on gold and silver trees: %s", silver_counts)
     if recipe.max_test_pairs:
         n = recipe.max_test_pairs
         for name in ("dev", "test"):
             _first_lines(
-                ptb / name, (SOURCE, TARGET, "trees"), out / "data" / f"{name}.first{n}", n
+                ptb / name, (SOURCE, target, "trees"), out / "data" / f"{name}.first{n}", n
             )
         dev, test = out / "data" / f"dev.first{n}", out / "data" / f"test.first{n}"
     prepared = out / "data" / "prepared"
     manifest = prepare(
         SOURCE,
-        TARGET,
+        target,
         train,
         ptb / "dev",  # validation perplexity on the whole development set
         None,

@@ -60,6 +60,9 @@ class RecipeConfig:
     # names above are translation's. The treebank's split: "auto" (the NLTK sample's split
     # by file, or the LDC release's sections 02-21 / 22 / 23), "sample" or "ldc".
     treebank_split: str = "auto"
+    # The target side: "gafl", Vinyals et al.'s linearization (XX for each word), or "words",
+    # the same with each word in place of its XX, which the decoder copies from the source.
+    linearization: str = "gafl"
     # The paper's semi-supervised setting: a file of silver trees (one bracketed tree a line,
     # e.g. another parser's high-confidence output) mixed into the gold training trees.
     silver: str = ""
@@ -112,15 +115,17 @@ def parse_recipe(table: dict[str, Any], where: str) -> RecipeConfig:
             f"got {recipe.dataset!r}"
         )
     if recipe.dataset != "ptb":
-        parse_only = [
-            k for k in ("silver", "tune_beam", "evalb") if getattr(recipe, k) and k in table
-        ]
+        parse_only = [k for k in ("silver", "tune_beam", "evalb", "linearization") if k in table]
         if parse_only:
             raise ConfigError(f"{where}: recipe.{parse_only[0]} is for dataset = 'ptb' only")
     if recipe.treebank_split not in ("auto", "sample", "ldc"):
         raise ConfigError(
             f"{where}: recipe.treebank_split must be 'auto', 'sample' or 'ldc', "
             f"got {recipe.treebank_split!r}"
+        )
+    if recipe.linearization not in ("gafl", "words"):
+        raise ConfigError(
+            f"{where}: recipe.linearization must be 'gafl' or 'words', got {recipe.linearization!r}"
         )
     if not recipe.silver_ratio > 0:
         raise ConfigError(f"{where}: recipe.silver_ratio must be > 0, got {recipe.silver_ratio}")

@@ -7,6 +7,7 @@ split S of train, dev and test:
     S.trees   the cleaned gold tree, one per line (what EVALB scores against)
     S.words   its words, space-separated (the source side)
     S.lin     its linearized tree (the target side): `(S (NP XX XX )NP ... )S`
+    S.linw    the same with the words in their places: `(S (NP The cat )NP ... )S`
 
 and `manifest.json`, written last. The splits go by file:
 
@@ -55,8 +56,11 @@ SPLITS = ("train", "dev", "test")
 #: Bumped whenever the cleaning or the linearization changes what is written.
 PREPROCESSING_VERSION = 1
 MANIFEST_FILE = "manifest.json"
+#: The target files: GAFL's linearization (XX for each word) and the variant with the words.
+TARGETS = {"gafl": "lin", "words": "linw"}
 OUTPUT_FILES = frozenset(
-    {MANIFEST_FILE} | {f"{s}.{ext}" for s in SPLITS for ext in ("trees", "words", "lin")}
+    {MANIFEST_FILE}
+    | {f"{s}.{ext}" for s in SPLITS for ext in ("trees", "words", *TARGETS.values())}
 )
 #: Where `aiayn data ptb` keeps the treebank it downloaded (NLTK's sample), inside `out`.
 DOWNLOAD_DIR = "raw"
@@ -163,10 +167,11 @@ def read_silver(path: str | Path) -> Iterator[tuple[int, Tree]]:
 
 
 def tree_file_to_pairs(
-    trees_path: str | Path, words_out: str | Path, lin_out: str | Path
+    trees_path: str | Path, words_out: str | Path, lin_out: str | Path, *, with_words: bool = False
 ) -> dict[str, int]:
     """Write the source (words) and target (linearized tree) files of a one-tree-per-line
     file, cleaning each tree (`read_silver`); both outputs are written atomically.
+    `with_words`: the target with the words in their places (`linearize`'s `words`).
 
     Returns:
         {"pairs": lines written, "words": words in them}.
@@ -184,7 +189,7 @@ def tree_file_to_pairs(
         for _, tree in read_silver(trees_path):
             words = tree.leaves()
             words_f.write(" ".join(words) + "\n")
-            lin_f.write(linearize(tree) + "\n")
+            lin_f.write(linearize(tree, words=with_words) + "\n")
             pairs, n_words = pairs + 1, n_words + len(words)
         if pairs == 0:
             raise InputError(f"{trees_path}: no trees")
@@ -213,7 +218,7 @@ def _check_out(out: Path) -> None:
 
 
 def _new_split() -> dict[str, Any]:
-    return {"files": set(), "lines": {"trees": [], "words": [], "lin": []}, "stats": {
+    return {"files": set(), "lines": {"trees": [], "words": [], "lin": [], "linw": []}, "stats": {
         "trees": 0, "words": 0, "constituents": 0, "max_words": 0, "max_lin_tokens": 0,
         "dropped_empty": 0,
     }}  # fmt: skip
@@ -229,6 +234,7 @@ def _add(split: dict[str, Any], file_id: str, tree: Tree | None) -> None:
     split["lines"]["trees"].append(tree.to_string())
     split["lines"]["words"].append(" ".join(words))
     split["lines"]["lin"].append(lin)
+    split["lines"]["linw"].append(linearize(tree, words=True))
     stats["trees"] += 1
     stats["words"] += len(words)
     stats["constituents"] += tree.constituents()

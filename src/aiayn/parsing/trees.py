@@ -345,12 +345,19 @@ def clean(tree: Tree) -> Tree | None:
 
 
 # --------------------------------------------------------------------------- linearization
-def linearize(tree: Tree) -> str:
-    """The GAFL target: `(S (NP XX XX )NP (VP XX )VP XX )S` (words become XX)."""
+def linearize(tree: Tree, *, words: bool = False) -> str:
+    """The GAFL target: `(S (NP XX XX )NP (VP XX )VP XX )S` (words become XX).
+
+    With `words`, each word is written in place of its XX: `(S (NP the cat )NP ...)S`.
+    The decoder then copies the source word by word, which ties each output position to
+    a source position; with XX alone it has to count. A word that would read as a bracket
+    token (one starting with '(' or ')') stays XX.
+    """
     parts = []
     for kind, node in tree.events():
         if kind == "word":
-            parts.append(PLACEHOLDER)
+            w = node.word
+            parts.append(w if words and w is not None and w[0] not in "()" else PLACEHOLDER)
         elif kind == "open":
             parts.append(f"({node.label}")
         else:
@@ -387,7 +394,8 @@ class Repairs:
     mismatched_close: int = 0  # ')L' closing an '(M': closed, keeping M
     surplus_words: int = 0  # XX beyond the sentence's words: dropped
     missing_words: int = 0  # words without an XX: added at the end (see delinearize)
-    unknown_tokens: int = 0  # neither '(L', ')L' nor XX: dropped
+    unknown_tokens: int = 0  # a bare '(' or ')', or a label holding a bracket: dropped
+    changed_words: int = 0  # a word written where another was due: the input's word kept
     empty_constituents: int = 0  # '(L ... )L' over no word: dropped
     root_added: int = 0  # not one constituent at the top: wrapped in ROOT_LABEL
 
@@ -439,11 +447,16 @@ class _Builder:
             self.fix("empty_constituents", f"empty constituent ({label} )")
 
     def token(self, tok: str, i: int) -> None:
-        if tok == PLACEHOLDER:
-            if self.next < len(self.words):
-                self.stack[-1][1].append(self.word())
-            else:
-                self.fix("surplus_words", f"token {i}: XX beyond the {len(self.words)} words")
+        if tok == PLACEHOLDER or tok[0] not in "()":  # a word's place: XX, or the word
+            if self.next >= len(self.words):
+                self.fix("surplus_words", f"token {i}: {tok} beyond the {len(self.words)} words")
+                return
+            if tok != PLACEHOLDER and tok != self.words[self.next]:
+                self.fix(
+                    "changed_words",
+                    f"token {i}: {tok!r} where word {self.next + 1} is {self.words[self.next]!r}",
+                )
+            self.stack[-1][1].append(self.word())
         elif tok[0] == "(" and len(tok) > 1 and _is_label(tok[1:]):
             self.stack.append((tok[1:], []))
         elif tok[0] == ")" and len(tok) > 1 and _is_label(tok[1:]):
@@ -454,7 +467,7 @@ class _Builder:
                 self.fix("mismatched_close", f"token {i}: {tok} closes ({self.stack[-1][0]}")
             self.close()
         else:
-            self.fix("unknown_tokens", f"token {i}: {tok!r} is not (LABEL, )LABEL or XX")
+            self.fix("unknown_tokens", f"token {i}: {tok!r} is not (LABEL, )LABEL, XX or a word")
 
     def finish(self) -> Tree:
         missing = len(self.words) - self.next
@@ -487,16 +500,21 @@ def delinearize(
 ) -> tuple[Tree, Repairs]:
     """The tree a linearized sequence describes, over exactly `words` in order.
 
+    A word's place is written XX (the GAFL scheme) or as the word itself (`linearize`'s
+    `words`); either way the tree takes the input's word there, so both kinds of output
+    read with no setting.
+
     With `repair`, any `text` gives a well-formed tree: tokens are read left to right and
-    each problem is fixed as it is met (and counted in the Repairs): an unknown token, a
-    surplus XX or a close with nothing open is dropped; a close whose label differs from
+    each problem is fixed as it is met (and counted in the Repairs): a word other than the
+    one due is replaced by it; an unknown token, a surplus word or a close with nothing
+    open is dropped; a close whose label differs from
     the open constituent's closes it, keeping the open label; a constituent over no word
     is dropped. At the end, words with no XX are attached to the lowest constituent still
     open, or if none is, appended to the root; open constituents are closed; and if the top
     level is not one constituent (several, a bare word, nothing) a ROOT_LABEL root holds it.
 
     Args:
-        text: space-separated tokens `(L`, `)L` and `XX` (the model's output).
+        text: space-separated tokens `(L`, `)L` and `XX` or words (the model's output).
         words: the sentence (at least one word).
         repair: False raises MalformedTreeError at the first problem instead.
         tags: pre-terminal tags, one per word; default: `punctuation_tags(words)`, which
