@@ -62,6 +62,24 @@ def test_the_parse_preset_is_the_papers_parser():
     assert cfg.train.eps_ls == base.train.eps_ls and cfg.train.warmup_steps == 4000
 
 
+def test_the_wsj_file_is_the_papers_setting():
+    """Section 6.3 at full scale: the parse preset, WSJ's standard split, GAFL's target,
+    a 16K vocabulary, beam and alpha chosen on section 22, 100K steps of ~25K tokens."""
+    cfg, recipe = load_recipe(ROOT / "configs" / "wsj-parse.toml")
+    assert cfg.model == get_preset("parse").model and cfg.decode == get_preset("parse").decode
+    assert (recipe.treebank_split, recipe.linearization, recipe.vocab_size) == (
+        "ldc",
+        "gafl",
+        16000,
+    )
+    assert (cfg.train.max_steps, cfg.train.max_tokens, cfg.train.warmup_steps) == (
+        100_000,
+        25_000,
+        4000,
+    )
+    assert 21 in recipe.tune_beam and 0.3 in recipe.tune_alpha
+
+
 def test_the_recipe_file_keeps_the_papers_decoding_and_layers():
     cfg, recipe = load_recipe(CONFIG)
     assert recipe.dataset == "ptb" and cfg.model.N == 4 and recipe.linearization == "words"
