@@ -473,3 +473,24 @@ def test_run_evalb_checks_what_it_reads(evalb: Path, tmp_path: Path) -> None:
     fake.chmod(0o755)
     with pytest.raises(RuntimeError, match="prints recall = 99.99"):
         run_evalb(fake, gold, test, EVALB_SOURCE / "COLLINS.prm")
+
+
+# --------------------------------------------------------------------------- the command line
+def test_the_command_prints_evalbs_report_and_summary(evalb: Path) -> None:
+    """`aiayn evaluate --task parse`: --report is EVALB's stdout itself (here on EVALB's
+    sample with its parameter file), the default a summary of the same numbers, --json
+    the numbers."""
+    from helpers import cli
+
+    gold, test = EVALB_SOURCE / "sample/sample.gld", EVALB_SOURCE / "sample/sample.tst"
+    prm = EVALB_SOURCE / "sample/sample.prm"
+    ref = run_evalb(evalb, gold, test, prm)
+    args = ["evaluate", "--task", "parse", "--hyp", test, "--ref", gold, "--params", prm]
+    code, out, _ = cli(*args, "--report")
+    assert code == 0 and out == ref.evalb_stdout
+    code, out, _ = cli(*args)
+    assert code == 0 and f"F1 {ref.all.f1:.2f}" in out and f"P {ref.all.precision:.2f}" in out
+    code, out, _ = cli(*args, "--json")
+    assert code == 0 and json.loads(out)["all"]["f1"] == pytest.approx(ref.all.f1)
+    code, _, err = cli("evaluate", "--hyp", test, "--ref", gold, "--params", prm)
+    assert code == 2 and "--params is for --task parse" in err
