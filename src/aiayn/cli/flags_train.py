@@ -86,7 +86,7 @@ examples:
       --validpref data/multi30k/val --testpref data/multi30k/test_2016_flickr \\
       --out data/multi30k-en-de --vocab-size 8000
   aiayn prepare -s en -t de --trainpref corpus/train --out data/lc --lowercase
-  aiayn prepare -s words -t lin --trainpref data/ptb/train --validpref data/ptb/dev \\
+  aiayn prepare -s words -t linw --trainpref data/ptb/train --validpref data/ptb/dev \\
       --out data/ptb-prepared --vocab-size 4000 --max-len 512 --no-split-by-script""",
     )
     p.add_argument(
