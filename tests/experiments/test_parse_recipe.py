@@ -10,7 +10,7 @@ import pytest
 
 from aiayn.cli import main
 from aiayn.config import ConfigError, get_preset
-from aiayn.experiments.parse_recipe import mix_silver
+from aiayn.experiments.parse_recipe import _score_all, mix_silver, run_parse_recipe
 from aiayn.experiments.recipe_config import load_recipe
 from aiayn.files import read_lines
 from aiayn.scoring.evalb import score_files as score_tree_files
@@ -196,3 +196,25 @@ def test_parse_recipe_runs_end_to_end_and_both_scorers_agree(tmp_path, monkeypat
     assert main(args) == 0  # rerun: training done, the later stages redone, same scores
     again = json.loads((out / "results.json").read_text())
     assert again["scores"] == scores and again["train"]["steps"] == 8
+
+
+def test_a_missing_evalb_source_is_refused_before_training(tmp_path):
+    with pytest.raises(ConfigError, match="holds no evalb.c"):
+        run_parse_recipe(
+            CONFIG, tmp_path / "run", overrides={"recipe.evalb": str(tmp_path / "nothere")}
+        )
+    assert not (tmp_path / "run").exists()
+
+
+def test_where_evalb_would_stop_the_scores_say_so(tmp_path):
+    """COLLINS.prm stops after 10 sentences of unequal length; the recipe's scoring then
+    scores every sentence, marks it, and does not ask EVALB (which prints no summary)."""
+    gold = tmp_path / "gold.trees"
+    gold.write_text("(S (NP (DT a) (NN b)) (, ,) (VP (VB c)))\n" * 12)
+    test = tmp_path / "test.trees"  # the comma tagged XX: kept, so the lengths differ
+    test.write_text("(S (NP (XX a) (XX b)) (XX ,) (VP (XX c)))\n" * 12)
+    fine = tmp_path / "fine.trees"
+    fine.write_text("(S (NP (XX a) (XX b)) (, ,) (VP (XX c)))\n" * 12)
+    scores = _score_all(gold, {"bad": test, "good": fine}, "", tmp_path / "evalb")
+    assert scores["bad"]["evalb_stops"] and scores["bad"]["aiayn"]["error_sentences"] == 12
+    assert not scores["good"]["evalb_stops"] and scores["good"]["aiayn"]["f1"] == 100.0

@@ -30,7 +30,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from aiayn.config import Config, DecodeConfig
+from aiayn.config import Config, ConfigError, DecodeConfig
 from aiayn.experiments.manifest import environment
 from aiayn.experiments.recipe_config import RecipeConfig, load_recipe
 from aiayn.experiments.stages import (
@@ -219,20 +219,42 @@ def _score_all(
     gold: Path, systems: dict[str, Path], evalb_source: str, work: Path
 ) -> dict[str, Any]:
     """Each system's scores by aiayn's EVALB and, when given EVALB's source, by EVALB itself
-    (COLLINS.prm), with whether the two printed reports agree."""
-    from aiayn.scoring.evalb import COLLINS, format_report
+    (COLLINS.prm), with whether the two printed reports agree.
+
+    COLLINS.prm stops after 10 sentences of unequal length, printing no summary; the
+    recipe's trees have the input's words, but a punctuation tag unlike the gold one makes
+    such a sentence. Where EVALB would stop, the scores are those of COLLINS.prm with no
+    limit, marked `evalb_stops`, and EVALB itself is not asked. A machine with no C
+    compiler scores with aiayn's EVALB alone, with a warning.
+    """
+    from aiayn.scoring.evalb import COLLINS, EvalbAbortError, format_report
     from aiayn.scoring.evalb import score_files as score_trees_files
 
-    ours = {name: score_trees_files(gold, path, COLLINS) for name, path in systems.items()}
-    scores: dict[str, Any] = {
-        name: {"aiayn": _scores(r.all), "aiayn_40": _scores(r.cutoff)} for name, r in ours.items()
-    }
+    ours, scores = {}, {}
+    for name, path in systems.items():
+        try:
+            ours[name], stops = score_trees_files(gold, path, COLLINS), False
+        except EvalbAbortError:
+            ours[name] = score_trees_files(gold, path, replace(COLLINS, max_error=10**9))
+            stops = True
+        r = ours[name]
+        scores[name] = {
+            "aiayn": _scores(r.all),
+            "aiayn_40": _scores(r.cutoff),
+            "evalb_stops": stops,
+        }
     if evalb_source:
-        from aiayn.scoring.evalb_reference import build_evalb, run_evalb
+        from aiayn.scoring.evalb_reference import EvalbBuildError, build_evalb, run_evalb
 
-        binary = build_evalb(Path(evalb_source), work)
+        try:
+            binary = build_evalb(Path(evalb_source), work)
+        except EvalbBuildError as e:
+            log.warning("EVALB not built (%s): aiayn's scorer alone", e)
+            return scores
         params = Path(evalb_source) / "COLLINS.prm"
         for name, path in systems.items():
+            if scores[name]["evalb_stops"]:
+                continue
             ref = run_evalb(binary, gold, path, params)
             scores[name]["evalb"] = _scores(ref.all)
             report = format_report(ours[name])
@@ -269,6 +291,12 @@ def run_parse_recipe(
     from aiayn.parsing.trees import right_branching
 
     cfg, recipe = load_recipe(path, overrides)
+    if recipe.evalb and not (Path(recipe.evalb) / "evalb.c").is_file():  # not after an hour
+        raise ConfigError(
+            f"{path}: recipe.evalb = {recipe.evalb!r} holds no evalb.c: give EVALB's source "
+            "directory (e.g. ../shared/tools/EVALB), or --set recipe.evalb= to score with "
+            "aiayn's scorer alone"
+        )
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     wall: dict[str, float] = {}
