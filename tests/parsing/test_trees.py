@@ -68,7 +68,9 @@ def is_valid(tokens: list[str], words: list[str]) -> bool:
     for tok in tokens:
         if done:
             return False
-        if stack and count < len(words) and tok in ("XX", words[count]):
+        word = words[count] if count < len(words) else None
+        # the word itself may stand in for XX, unless it reads as a bracket token
+        if stack and word is not None and (tok == "XX" or (tok == word and tok[0] not in "()")):
             count += 1
             stack[-1][1] += 1
         elif tok.startswith("(") and len(tok) > 1:
