@@ -232,29 +232,42 @@ def cmd_average(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_translate(args: argparse.Namespace) -> int:
-    """`aiayn translate`: decode a file or stdin; exit 3 if the input had invalid UTF-8."""
-    from tqdm import tqdm
-
+def _load_decoder(
+    args: argparse.Namespace, outputs: tuple[str, ...], extra: dict[str, Any]
+) -> tuple[Any, Any, Config]:
+    """translate's and parse's common start: check the device, the output flags named in
+    `outputs` and --input before loading anything; load the checkpoints as one decoder in
+    --dtype; the config with the decoding flags given (and `extra`) applied."""
     from aiayn.checkpoints import load_ensemble
     from aiayn.decoding.ensemble import as_decoder
-    from aiayn.decoding.translate import translate_file
     from aiayn.fast.inference import cast_for_inference
 
     check_device(args.device)
-    if args.output is not None:
-        check_output_file(args.output, inputs=(args.input, *args.checkpoint), force=args.force)
+    for flag in outputs:
+        if getattr(args, flag) is not None:
+            check_output_file(
+                getattr(args, flag), inputs=(args.input, *args.checkpoint), force=args.force
+            )
     if args.input is not None and not Path(args.input).exists():
         raise UsageError(f"--input {args.input}: no such file")
     models, tokenizer, cfg = load_ensemble([Path(p) for p in args.checkpoint], device=args.device)
     model = as_decoder([cast_for_inference(m, args.dtype) for m in models])
-    overrides: dict[str, Any] = {}
-    for flag in ("beam", "alpha", "max_len_a", "max_len_b", "nbest", "max_tokens"):
-        if getattr(args, flag) is not None:
-            overrides[f"decode.{flag}"] = getattr(args, flag)
-    if args.greedy:
-        overrides["decode.beam"] = 1
-    cfg = apply_overrides(cfg, overrides)
+    overrides = {
+        f"decode.{flag}": getattr(args, flag)
+        for flag in ("beam", "alpha", "max_len_a", "max_len_b", "nbest", "max_tokens")
+        if getattr(args, flag, None) is not None
+    }
+    return model, tokenizer, apply_overrides(cfg, {**overrides, **extra})
+
+
+def cmd_translate(args: argparse.Namespace) -> int:
+    """`aiayn translate`: decode a file or stdin; exit 3 if the input had invalid UTF-8."""
+    from tqdm import tqdm
+
+    from aiayn.decoding.translate import translate_file
+
+    extra = {"decode.beam": 1} if args.greedy else {}
+    model, tokenizer, cfg = _load_decoder(args, ("output",), extra)
     # lines done, on stderr, only when it is a terminal (the JSON summary follows it)
     bar = tqdm(unit=" lines", disable=args.no_progress or None, dynamic_ncols=True, file=sys.stderr)
     try:
@@ -310,26 +323,9 @@ def cmd_parse(args: argparse.Namespace) -> int:
     """`aiayn parse`: a tree a line for a file (or stdin) of sentences."""
     from tqdm import tqdm
 
-    from aiayn.checkpoints import load_ensemble
-    from aiayn.decoding.ensemble import as_decoder
     from aiayn.decoding.parse import parse_file
-    from aiayn.fast.inference import cast_for_inference
 
-    check_device(args.device)
-    for flag in ("output", "raw_output"):
-        if getattr(args, flag) is not None:
-            check_output_file(
-                getattr(args, flag), inputs=(args.input, *args.checkpoint), force=args.force
-            )
-    if args.input is not None and not Path(args.input).exists():
-        raise UsageError(f"--input {args.input}: no such file")
-    models, tokenizer, cfg = load_ensemble([Path(p) for p in args.checkpoint], device=args.device)
-    model = as_decoder([cast_for_inference(m, args.dtype) for m in models])
-    overrides: dict[str, Any] = {}
-    for flag in ("beam", "alpha", "max_len_a", "max_len_b", "max_tokens"):
-        if getattr(args, flag) is not None:
-            overrides[f"decode.{flag}"] = getattr(args, flag)
-    cfg = apply_overrides(cfg, {"decode.nbest": 1, **overrides})
+    model, tokenizer, cfg = _load_decoder(args, ("output", "raw_output"), {"decode.nbest": 1})
     bar = tqdm(unit=" lines", disable=args.no_progress or None, dynamic_ncols=True, file=sys.stderr)
     try:
         _, summary = parse_file(
