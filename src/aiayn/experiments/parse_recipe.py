@@ -34,11 +34,8 @@ from aiayn.config import Config, ConfigError, DecodeConfig
 from aiayn.experiments.manifest import environment
 from aiayn.experiments.recipe_config import RecipeConfig, load_recipe
 from aiayn.experiments.stages import (
-    average_stage,
-    check_stopped,
-    matmul_peak_for,
     plot_runs,
-    train_stage,
+    train_and_average,
 )
 from aiayn.files import read_lines, sha256_file, write_text_atomic
 from aiayn.training.trainer import Hooks
@@ -285,8 +282,6 @@ def run_parse_recipe(
     Returns:
         The results dictionary also written to RUN/results.json.
     """
-    from aiayn.checkpoints import load_ensemble
-    from aiayn.decoding.ensemble import as_decoder
     from aiayn.decoding.parse import parse_file
     from aiayn.parsing.trees import right_branching
 
@@ -305,19 +300,9 @@ def run_parse_recipe(
     t0 = clock()
     data_ = _data_stage(recipe, cfg, out, data)
     wall["data_and_prepare_s"] = clock() - t0
-    peak, peak_dtype = matmul_peak_for(cfg, device)
-    t0 = clock()
-    runs, trained = train_stage(recipe, cfg, data_["prepared"], out, device, hooks)
-    wall["train_s"] = clock() - t0
-    check_stopped(trained, out)
-
-    t0 = clock()
-    averaged = average_stage(recipe, runs)
-    models, tokenizer, avg_cfg = load_ensemble(
-        [run / "checkpoint_avg.pt" for run in runs], device=device
-    )
-    model = as_decoder(models)
-    wall["average_s"] = clock() - t0
+    t = train_and_average(recipe, cfg, data_["prepared"], out, device, hooks, wall)
+    runs, trained, averaged, models = t.runs, t.trained, t.averaged, t.models
+    model, tokenizer, avg_cfg, peak, peak_dtype = t.model, t.tokenizer, t.cfg, t.peak, t.peak_dtype
 
     decode, tuning = cfg.decode, None
     if recipe.tune_beam or recipe.tune_alpha:

@@ -31,11 +31,8 @@ from aiayn.experiments.manifest import cpu_kernels, environment
 from aiayn.experiments.recipe_config import RecipeConfig, load_recipe, parse_recipe
 from aiayn.experiments.stages import (
     RecipeStoppedError,
-    average_stage,
-    check_stopped,
-    matmul_peak_for,
     plot_runs,
-    train_stage,
+    train_and_average,
 )
 from aiayn.files import sha256_file, write_text_atomic
 from aiayn.training.trainer import Hooks
@@ -177,9 +174,7 @@ def run_recipe(
     Returns:
         The results dictionary also written to RUN/results.json.
     """
-    from aiayn.checkpoints import load_ensemble
     from aiayn.data.prepare import find_input
-    from aiayn.decoding.ensemble import as_decoder
     from aiayn.decoding.translate import translate_file
     from aiayn.scoring.bleu import score_files
 
@@ -199,19 +194,9 @@ def run_recipe(
     t0 = clock()
     data_ = _data_stage(recipe, cfg, out, data)
     wall["data_and_prepare_s"] = clock() - t0
-    peak, peak_dtype = matmul_peak_for(cfg, device)
-    t0 = clock()
-    runs, trained = train_stage(recipe, cfg, data_.prepared, out, device, hooks)
-    wall["train_s"] = clock() - t0
-    check_stopped(trained, out)
-
-    t0 = clock()
-    averaged = average_stage(recipe, runs)
-    models, tokenizer, avg_cfg = load_ensemble(
-        [run / "checkpoint_avg.pt" for run in runs], device=device
-    )
-    model = as_decoder(models)
-    wall["average_s"] = clock() - t0
+    t = train_and_average(recipe, cfg, data_.prepared, out, device, hooks, wall)
+    runs, trained, averaged, models = t.runs, t.trained, t.averaged, t.models
+    model, tokenizer, avg_cfg, peak, peak_dtype = t.model, t.tokenizer, t.cfg, t.peak, t.peak_dtype
 
     decode, tuning = cfg.decode, None
     if recipe.tune_alpha:

@@ -4,6 +4,8 @@ the matmul ceiling for the FLOPs estimate."""
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -96,3 +98,51 @@ def check_stopped(trained: list[dict[str, Any]], out: Path) -> None:
     for t in trained:
         if t["stopped_by"] in ("SIGTERM", "SIGINT"):
             raise RecipeStoppedError(t["stopped_by"], t["steps"], out)
+
+
+@dataclass
+class Trained:
+    """What `train_and_average` leaves for decoding: the run directories, their training
+    summaries and averaged checkpoint names, the averaged models (as one decoder), their
+    vocabulary and config, and the matmul ceiling measured before training."""
+
+    runs: list[Path]
+    trained: list[dict[str, Any]]
+    averaged: list[list[str]]
+    models: list[Any]
+    model: Any
+    tokenizer: Any
+    cfg: Config
+    peak: float
+    peak_dtype: torch.dtype
+
+
+def train_and_average(
+    recipe: RecipeConfig,
+    cfg: Config,
+    prepared: Path,
+    out: Path,
+    device: str,
+    hooks: Hooks | None,
+    wall: dict[str, float],
+) -> Trained:
+    """Every recipe's middle: measure the matmul peak, train (or resume), stop on a signal,
+    average each run's last checkpoints and load them as one decoder; the stages' wall
+    times go into `wall` (train_s, average_s)."""
+    from aiayn.checkpoints import load_ensemble
+    from aiayn.decoding.ensemble import as_decoder
+
+    peak, peak_dtype = matmul_peak_for(cfg, device)
+    t0 = time.perf_counter()
+    runs, trained = train_stage(recipe, cfg, prepared, out, device, hooks)
+    wall["train_s"] = time.perf_counter() - t0
+    check_stopped(trained, out)
+    t0 = time.perf_counter()
+    averaged = average_stage(recipe, runs)
+    models, tokenizer, avg_cfg = load_ensemble(
+        [run / "checkpoint_avg.pt" for run in runs], device=device
+    )
+    wall["average_s"] = time.perf_counter() - t0
+    return Trained(
+        runs, trained, averaged, models, as_decoder(models), tokenizer, avg_cfg, peak, peak_dtype
+    )
