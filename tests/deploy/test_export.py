@@ -2,16 +2,37 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
-from aiayn.config import EOS_ID, ModelConfig
-from aiayn.decoding.search import greedy_search
-from aiayn.deploy.export import SPECIAL, to_ctranslate2, vocabulary
+from aiayn.config import BOS_ID, EOS_ID, PAD_ID, ModelConfig
+from aiayn.decoding.search import NEVER_GENERATED, greedy_search
+from aiayn.deploy.export import (
+    EXPORT_INFO,
+    SPECIAL,
+    ct2_translate,
+    export_ctranslate2,
+    to_ctranslate2,
+    vocabulary,
+)
 from aiayn.model import Transformer
 
 ctranslate2 = pytest.importorskip("ctranslate2")
-from helpers import copy_batch, random_strings, train_copy_model  # noqa: E402
+from test_export_cli import agreement, aiayn_reference, trained_translator  # noqa: E402
+
+from helpers import cli, copy_batch, random_strings, train_copy_model  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny matrices, shared machines: one thread (module-wide, so that the module-scoped
+    fixtures' training and decoding run on one too)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def _model(positional: str = "sinusoidal") -> Transformer:
@@ -69,3 +90,116 @@ def test_vocabulary_puts_ctranslate2_special_tokens_at_aiayn_ids():
 def test_export_refuses_learned_positions(tmp_path):
     with pytest.raises(ValueError, match="sinusoidal"):
         to_ctranslate2(_model("learned"), tmp_path / "ct2")
+
+
+def _prefers_bos() -> Transformer:
+    """A random model whose most probable next token is always <s>: the last LayerNorm's
+    bias is 0.5 everywhere and <s>'s output row is all ones, so its logit is 0.5 x d_model
+    (the normalized part sums to 0), far above the others. aiayn never generates <s>."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        N=1, d_model=32, d_ff=64, h=4, d_k=8, d_v=8, vocab_size=60, share_embeddings=False
+    )
+    model = Transformer(cfg).eval()
+    with torch.no_grad():
+        model.decoder[-1].norm3.bias.fill_(0.5)
+        model.generator.weight[BOS_ID].fill_(1.0)
+    return model
+
+
+def test_export_source_eos_and_never_generated_tokens_are_in_the_model_dir(tmp_path):
+    """The issue's symptom (a model that keeps emitting <s>) and its fix: the directory
+    alone makes plain translate_batch add the source's </s> and never pick <s> or
+    <blank>, so its greedy output is aiayn's with no option passed but the beam size."""
+    model = _prefers_bos()
+    g = torch.Generator().manual_seed(1)
+    strings = random_strings(16, g)
+    src, _, _ = copy_batch(strings)
+    ours = greedy_search(model, src, max_len_a=0, max_len_b=12)
+    tokens = vocabulary(model.cfg.vocab_size)
+    plain = ctranslate2.Translator(str(to_ctranslate2(model, tmp_path / "plain")))
+    batch = [[tokens[t] for t in s] for s in strings]  # no </s>: the directory adds it
+    options = {"beam_size": 1, "max_decoding_length": 12, "min_decoding_length": 0}
+    emitted = [r.hypotheses[0] for r in plain.translate_batch(batch, **options)]
+    assert all(SPECIAL[BOS_ID] in h for h in emitted)  # what a plain export does
+
+    path = to_ctranslate2(
+        model, tmp_path / "fixed", add_source_eos=True, never_generate=NEVER_GENERATED
+    )
+    fixed = ctranslate2.Translator(str(path), device="cpu", compute_type="float32")
+    theirs = [
+        [tokens.index(t) for t in r.hypotheses[0]] for r in fixed.translate_batch(batch, **options)
+    ]
+    assert theirs == ours
+    assert not {PAD_ID, BOS_ID} & {t for h in theirs for t in h}
+    # the same as passing the source's EOS and suppress_sequences by hand to the plain one
+    by_hand = plain.translate_batch(
+        [b + [SPECIAL[EOS_ID]] for b in batch],
+        suppress_sequences=[[SPECIAL[PAD_ID]], [SPECIAL[BOS_ID]]],
+        **options,
+    )
+    assert [[tokens.index(t) for t in r.hypotheses[0]] for r in by_hand] == ours
+
+
+# --------------------------------------------------------------------------- a trained model
+@pytest.fixture(scope="module")
+def trained(small_data, tmp_path_factory):
+    """The deploy tests' trained checkpoint, aiayn's outputs on the held-out lines, and
+    the checkpoint exported through the command line (float32)."""
+    checkpoint = trained_translator(small_data, tmp_path_factory)
+    out = tmp_path_factory.mktemp("ct2") / "model"
+    code, _, err = cli("export", "--checkpoint", checkpoint, "--to", "ctranslate2", "--out", out)
+    assert code == 0, err
+    return aiayn_reference(checkpoint), out, checkpoint
+
+
+def test_exported_checkpoint_translates_as_aiayn_greedy(trained):
+    """README.md's call, on held-out sentences: aiayn's greedy outputs token for token."""
+    import sentencepiece as spm
+
+    ref, out, _ = trained
+    assert len(set(ref.greedy_text)) > 30  # outputs that depend on the input
+    assert len({len(h) for h in ref.greedy}) > 10 and max(map(len, ref.greedy)) > 40
+    assert max(len(h) - cap for h, cap in zip(ref.greedy, ref.caps, strict=True)) < 0
+    sp = spm.SentencePieceProcessor(model_file=str(out / "sentencepiece.model"))
+    translator = ctranslate2.Translator(str(out))
+    results = translator.translate_batch(
+        [sp.encode(t, out_type=str) for t in ref.lines], beam_size=1, min_decoding_length=0
+    )
+    assert [sp.decode(r.hypotheses[0]) for r in results] == ref.greedy_text
+    assert [[sp.piece_to_id(p) for p in r.hypotheses[0]] for r in results] == ref.greedy
+    assert ct2_translate(out, ref.lines, beam=1) == ref.greedy_text
+
+
+def test_exported_checkpoint_beam_search_agrees_on_most_lines(trained):
+    """Beam 4: CTranslate2 normalizes by |Y| ** length_penalty (|Y| without EOS), aiayn by
+    GNMT's ((5 + |Y|) / 6) ** alpha (|Y| with EOS), and CTranslate2 refills a finished
+    slot from 2 x beam candidates where aiayn leaves it empty for a step. Measured (40
+    held-out lines, AMD EPYC, 2 cores): 38/40 equal at alpha = length_penalty = 0.6, and
+    40/40 with no length normalization (alpha 0, length_penalty 0), where only the
+    refilling differs. The two others: aiayn's beam ends in a one-subword output ("Z"),
+    CTranslate2's in 18 and 8 subwords, since |Y| ** 0.6 (from 2 ** 0.6 = 1.5 to
+    19 ** 0.6 = 5.9) rewards length more than ((5 + |Y|) / 6) ** 0.6 (1.1 to 2.3)."""
+    import sentencepiece as spm
+
+    ref, out, _ = trained
+    sp = spm.SentencePieceProcessor(model_file=str(out / "sentencepiece.model"))
+    translator = ctranslate2.Translator(str(out))
+    pieces = [sp.encode(t, out_type=str) for t in ref.lines]
+
+    def beam4(penalty: float) -> list[list[int]]:
+        results = translator.translate_batch(pieces, beam_size=4, length_penalty=penalty)
+        return [[sp.piece_to_id(p) for p in r.hypotheses[0]] for r in results]
+
+    assert agreement(beam4(0.6), ref.beam4) >= 34  # 85%; measured 38 (95%)
+    assert agreement(beam4(0.0), ref.beam4_alpha0) >= 36  # 90%; measured 40 (100%)
+
+
+def test_int8_export_translates_close_to_float32(trained, tmp_path):
+    """--quantization int8: smaller and faster, and no longer aiayn's exact outputs."""
+    ref, _, checkpoint = trained
+    out = export_ctranslate2(checkpoint, tmp_path / "int8", "int8")
+    assert json.loads((out / EXPORT_INFO).read_text())["quantization"] == "int8"
+    translator = ctranslate2.Translator(str(out), compute_type="int8")
+    texts = ct2_translate(out, ref.lines, beam=1, translator=translator)
+    assert sum(a == b for a, b in zip(texts, ref.greedy_text, strict=True)) >= 15  # measured 21

@@ -422,6 +422,41 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    """`aiayn serve`: load (and check) the checkpoints, then answer HTTP until SIGTERM."""
+    import torch
+
+    from aiayn.deploy.server import AiaynBackend, ServerLimits, create_app, serve
+
+    if args.workers < 1:
+        raise UsageError(f"--workers must be >= 1, got {args.workers}")
+    limits = ServerLimits(
+        max_batch_tokens=args.max_batch_tokens,
+        batch_wait_ms=args.batch_wait_ms,
+        max_queue=args.max_queue,
+        max_texts=args.max_texts,
+        max_input_tokens=args.max_input_tokens,
+        max_body_bytes=args.max_body_bytes,
+        max_beam=args.max_beam,
+    )
+    try:
+        limits.validate()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    args.input, args.force = None, False  # what _load_decoder checks for translate
+    model, tokenizer, cfg = _load_decoder(args, (), {})
+    if args.device == "cpu" and args.workers > 1:  # the cores, shared among the workers
+        torch.set_num_threads(max(1, torch.get_num_threads() // args.workers))
+    name = Path(args.checkpoint[0]).name if len(args.checkpoint) == 1 else "ensemble"
+    backend = AiaynBackend(model, tokenizer, cfg.decode, args.device, name=name)
+    app = create_app(backend, cfg.decode, limits, workers=args.workers)
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(
+            f"aiayn serve: listening on {args.host}: reachable from other machines", file=sys.stderr
+        )
+    return serve(app, args.host, args.port, args.graceful_timeout, args.log_level)
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     """`aiayn info`: a configuration's hyperparameters and parameter count."""
     from dataclasses import replace
@@ -451,4 +486,35 @@ def cmd_info(args: argparse.Namespace) -> int:
             f"positional={m.positional}"
         )
         print(f"parameters: {n:,} ({n / 1e6:.1f}M) with a shared vocabulary of {args.vocab_size:,}")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """`aiayn export`: a checkpoint as a CTranslate2 or MarianMT model directory."""
+    import importlib.util
+
+    checkpoint, out = Path(args.checkpoint), Path(args.out)
+    if not checkpoint.is_file():
+        raise UsageError(f"--checkpoint {checkpoint}: no such file")
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} is a file; give a directory")
+    if out.is_dir() and any(out.iterdir()) and not args.force:
+        raise UsageError(
+            f"--out {out} exists and is not empty: choose a new directory, or pass --force "
+            "to write into it"
+        )
+    if args.quantization is not None and args.to != "ctranslate2":
+        raise UsageError("--quantization is for --to ctranslate2")
+    package = {"ctranslate2": "ctranslate2", "marian": "transformers"}[args.to]
+    if importlib.util.find_spec(package) is None:
+        raise UsageError(f"--to {args.to} needs {package}: pip install 'aiayn[export]'")
+    if args.to == "ctranslate2":
+        from aiayn.deploy.export import export_ctranslate2
+
+        export_ctranslate2(checkpoint, out, args.quantization)
+    else:
+        from aiayn.deploy.marian import export_marian
+
+        export_marian(checkpoint, out)
+    print(f"exported {checkpoint} to {out} ({args.to}); how to call it: {out / 'README.md'}")
     return 0

@@ -10,7 +10,12 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
-from aiayn.cli import commands, flags_eval, flags_train
+from aiayn.cli import (
+    commands,
+    flags_deploy,
+    flags_eval,
+    flags_train,
+)
 from aiayn.cli.environment import MALLOC_ENV, ONEDNN_PRIMITIVE_CACHE_CAPACITY
 from aiayn.cli.formatting import HelpFormatter
 
@@ -125,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
         (flags_eval.add_parse, commands.cmd_parse),
         (flags_eval.add_recipe, commands.cmd_recipe),
         (flags_eval.add_bench, commands.cmd_bench),
+        (flags_deploy.add_export, commands.cmd_export),
+        (flags_deploy.add_serve, commands.cmd_serve),
         (flags_eval.add_info, commands.cmd_info),
     ):
         add(sub).set_defaults(func=func)
