@@ -26,6 +26,7 @@ LAYERS = {
     "decoding": 5,
     "training": 6,
     "experiments": 7,
+    "analysis": 7,
     "deploy": 7,
     "cli": 8,
     "__main__": 9,

@@ -12,6 +12,8 @@ from typing import Any
 
 from aiayn.cli import (
     commands,
+    commands_analysis,
+    flags_analysis,
     flags_deploy,
     flags_eval,
     flags_train,
@@ -130,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
         (flags_eval.add_parse, commands.cmd_parse),
         (flags_eval.add_recipe, commands.cmd_recipe),
         (flags_eval.add_bench, commands.cmd_bench),
+        (flags_analysis.add_table1, commands_analysis.cmd_table1),
+        (flags_analysis.add_attention, commands_analysis.cmd_attention),
         (flags_deploy.add_export, commands.cmd_export),
         (flags_deploy.add_serve, commands.cmd_serve),
         (flags_eval.add_info, commands.cmd_info),
