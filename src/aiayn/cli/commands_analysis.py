@@ -101,3 +101,99 @@ def cmd_attention(args: argparse.Namespace) -> int:
     print(f"target:      {' '.join(summary['target_tokens'])}")
     print("wrote " + ", ".join(summary["files"]))
     return 0
+
+
+def cmd_table3(args: argparse.Namespace) -> int:
+    """`aiayn table3`: train and score Table 3's rows, print the table, write CSV and JSON
+    (or render a table3.csv, or the probes' rows alone)."""
+    from typing import Any
+
+    from aiayn.cli.commands import _progress
+    from aiayn.config import parse_set_args
+    from aiayn.experiments import table3
+    from aiayn.experiments.recipe_config import load_recipe
+    from aiayn.experiments.stages import RecipeStoppedError
+
+    if args.config and args.csv:
+        raise UsageError("--csv renders a table3.csv already written: not with FILE.toml")
+    if not (args.config or args.csv or args.import_probes):
+        raise UsageError("give FILE.toml (with --out), --csv CSV or --import-probes CSV")
+    if args.config and not args.out:
+        raise UsageError("FILE.toml needs --out DIR: the sweep's run directories go there")
+    if args.out and Path(args.out).is_file():
+        raise UsageError(f"--out {args.out} is a file; give a directory")
+    if args.seeds is not None and args.seeds < 1:
+        raise UsageError(f"--seeds must be >= 1, got {args.seeds}")
+    if args.max_minutes_per_row is not None and args.max_minutes_per_row <= 0:
+        raise UsageError(f"--max-minutes-per-row must be > 0, got {args.max_minutes_per_row}")
+    overrides = parse_set_args(args.set or [])
+    if args.max_minutes_per_row is not None:
+        overrides["train.max_minutes"] = args.max_minutes_per_row
+    exp = table3.load_table3(args.config, overrides) if args.config else None
+    extra: list[table3.TableRow] = []
+    left_out: list[str] = []
+    if args.import_probes:
+        base_cfg, recipe = load_recipe(exp.recipe_path if exp else args.probes_recipe)
+        extra, left_out = table3.import_probes(args.import_probes, base_cfg, recipe.vocab_size)
+    if exp is None:
+        rows = (table3.read_csv(args.csv) if args.csv else []) + extra
+        report = table3.Table3Report(rows, [], [])
+        if args.out and not args.csv:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            report.files = table3.write_outputs(report, Path(args.out))
+    else:
+        check_device(args.device)
+        wanted = args.rows.split(",") if args.rows else None
+        table3.select_rows(exp, wanted)  # an unknown row fails before any work
+        bars: list[Any] = []
+
+        def hooks_for(row: str, seed: int, steps: int) -> Any:
+            while bars:
+                bars.pop().close()
+            bar, hooks = _progress(steps, args.no_progress)
+            bar.set_description(f"{row} seed {seed}")
+            bars.append(bar)
+            return hooks
+
+        try:
+            report = table3.run_table3(
+                exp,
+                args.out,
+                data=args.data,
+                prepared=args.prepared,
+                rows=wanted,
+                seeds=args.seeds,
+                device=args.device,
+                hooks_for=hooks_for,
+                rerun_changed=args.rerun_changed,
+                train=not args.no_train,
+                extra_rows=extra,
+            )
+        except RecipeStoppedError as e:
+            print(f"aiayn table3: {e}", file=sys.stderr)
+            return {"SIGTERM": 143, "SIGINT": 130}[e.signal_name]
+        finally:
+            while bars:
+                bars.pop().close()
+    if args.json:
+        print(json.dumps({**table3.to_json(report, exp), "probes_left_out": left_out}, indent=1))
+        return 0
+    if args.markdown:
+        print(table3.markdown(report.rows))
+    else:
+        title = ""
+        if exp is not None:
+            decode = exp.decode()
+            how = "greedy" if decode.beam == 1 else f"beam {decode.beam}, alpha {decode.alpha:g}"
+            title = (
+                f"Table 3 at {exp.scale or exp.recipe_path}; dev = {exp.recipe.valid_split}, "
+                f"PPL of the averaged model, sacreBLEU ({how})"
+            )
+        print(table3.format_table(report.rows, title))
+    for line in left_out:
+        print(f"probe left out: {line}")
+    if report.missing:
+        print(f"not in the table yet: {', '.join(report.missing)}")
+    if report.files:
+        print("wrote " + ", ".join(str(f) for f in report.files))
+    return 0

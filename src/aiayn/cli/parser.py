@@ -16,6 +16,7 @@ from aiayn.cli import (
     flags_analysis,
     flags_deploy,
     flags_eval,
+    flags_table3,
     flags_train,
 )
 from aiayn.cli.environment import MALLOC_ENV, ONEDNN_PRIMITIVE_CACHE_CAPACITY
@@ -134,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
         (flags_eval.add_bench, commands.cmd_bench),
         (flags_analysis.add_table1, commands_analysis.cmd_table1),
         (flags_analysis.add_attention, commands_analysis.cmd_attention),
+        (flags_table3.add_table3, commands_analysis.cmd_table3),
         (flags_deploy.add_export, commands.cmd_export),
         (flags_deploy.add_serve, commands.cmd_serve),
         (flags_eval.add_info, commands.cmd_info),
