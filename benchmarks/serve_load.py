@@ -38,7 +38,9 @@ def _server(engine: str, checkpoint: str, port: int, opts: dict[str, Any]) -> No
     """A child process: load the model, build the app, serve until terminated."""
     import torch
 
-    torch.set_num_threads(opts["threads"])
+    workers = opts["workers"]
+    threads = max(1, opts["threads"] // workers)  # the cores, shared among the workers
+    torch.set_num_threads(threads)
     from aiayn.checkpoints import load_ensemble
     from aiayn.deploy.server import (
         AiaynBackend,
@@ -60,8 +62,9 @@ def _server(engine: str, checkpoint: str, port: int, opts: dict[str, Any]) -> No
 
         out = export_ctranslate2(checkpoint, Path(tempfile.mkdtemp(prefix="ct2-")) / "model")
         compute = {"fp32": "float32", "int8": "int8", "bf16": "bfloat16"}[opts["dtype"]]
-        backend = CTranslate2Backend(out, compute, inter_threads=1, intra_threads=opts["threads"])
-    app = create_app(backend, backend.decode, limits, workers=1)
+        backend = CTranslate2Backend(out, compute, inter_threads=workers, intra_threads=threads)
+    processes = engine == "aiayn" and opts["processes"]
+    app = create_app(backend, backend.decode, limits, workers=workers, processes=processes)
     serve(app, "127.0.0.1", port, log_level="warning")
 
 
@@ -160,7 +163,19 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds")
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "int8"])
     ap.add_argument("--threads", type=int, default=2, help="compute threads per server")
+    ap.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="batches decoded at once (aiayn: batcher threads; CTranslate2: inter_threads "
+        "and as many batcher threads), threads/workers compute threads each",
+    )
     ap.add_argument("--batch-wait-ms", type=float, default=5.0)
+    ap.add_argument(
+        "--threads-not-processes",
+        action="store_true",
+        help="aiayn's workers as threads (default: forked processes, as `aiayn serve`)",
+    )
     ap.add_argument("--engines", default="aiayn,ctranslate2")
     ap.add_argument("--json", type=Path, help="also write the figures here")
     args = ap.parse_args()
@@ -171,7 +186,13 @@ def main() -> None:
     sentences = [s for s in read_lines(args.input)][: args.sentences]
     levels = [int(c) for c in args.concurrency.split(",")]
     engines = args.engines.split(",")
-    opts = {"dtype": args.dtype, "threads": args.threads, "batch_wait_ms": args.batch_wait_ms}
+    opts = {
+        "dtype": args.dtype,
+        "threads": args.threads,
+        "workers": args.workers,
+        "processes": not args.threads_not_processes,
+        "batch_wait_ms": args.batch_wait_ms,
+    }
     tmp = Path(tempfile.mkdtemp(prefix="serve-load-"))
     checkpoint = args.checkpoint
     if args.preset:
@@ -180,7 +201,7 @@ def main() -> None:
     servers = {}
     for engine in engines:
         port = _free_port()
-        proc = ctx.Process(target=_server, args=(engine, checkpoint, port, opts), daemon=True)
+        proc = ctx.Process(target=_server, args=(engine, checkpoint, port, opts))
         proc.start()
         servers[engine] = (f"http://127.0.0.1:{port}", proc)
     best: dict[tuple[str, int], dict[str, Any]] = {}
@@ -224,6 +245,7 @@ def main() -> None:
         "sentences": len(sentences),
         "dtype": args.dtype,
         "threads": args.threads,
+        "workers": args.workers,
         "rows": rows,
         "environment": environment(),
     }

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 #: The matrix's rows and tiers (RELIABILITY.md section 2), with the rows aiayn added after
 #: trying its own commands as a careless user would (docs/reliability.md: A12-A15, B7-B8,
-#: E9-E11, F15-F17, H7, I7, J5-J8). G (HTTP server) is not built.
+#: E9-E11, F15-F17, H7, I7, J5-J8).
 ROWS = {
     "A": {f"A{i}": "CPU" for i in range(1, 16)},
     "B": {
@@ -60,7 +60,7 @@ ROWS = {
     },
     "E": {f"E{i}": "CPU" for i in range(1, 12)},
     "F": {f"F{i}": "CPU" for i in range(1, 18)},
-    "G": {f"G{i}": "not built" for i in range(1, 7)},
+    "G": {f"G{i}": "CPU" for i in range(1, 7)},
     "H": {f"H{i}": "CPU" for i in range(1, 8)},
     "I": {
         "I1": "CPU",

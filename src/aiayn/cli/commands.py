@@ -424,8 +424,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """`aiayn serve`: load (and check) the checkpoints, then answer HTTP until SIGTERM."""
-    import torch
-
     from aiayn.deploy.server import AiaynBackend, ServerLimits, create_app, serve
 
     if args.workers < 1:
@@ -445,11 +443,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from None
     args.input, args.force = None, False  # what _load_decoder checks for translate
     model, tokenizer, cfg = _load_decoder(args, (), {})
-    if args.device == "cpu" and args.workers > 1:  # the cores, shared among the workers
-        torch.set_num_threads(max(1, torch.get_num_threads() // args.workers))
+    processes = args.device == "cpu" and args.workers > 1  # as translate --workers: forked
     name = Path(args.checkpoint[0]).name if len(args.checkpoint) == 1 else "ensemble"
     backend = AiaynBackend(model, tokenizer, cfg.decode, args.device, name=name)
-    app = create_app(backend, cfg.decode, limits, workers=args.workers)
+    app = create_app(backend, cfg.decode, limits, workers=args.workers, processes=processes)
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(
             f"aiayn serve: listening on {args.host}: reachable from other machines", file=sys.stderr

@@ -136,7 +136,8 @@ examples:
         type=int,
         default=1,
         metavar="K",
-        help="batches decoded at once, each in its own thread with cores/K torch threads",
+        help="batches decoded at once: on the CPU each in a forked process of one thread (as "
+        "`translate --workers`), on a GPU each in a thread",
     )
     p.add_argument(
         "--beam", type=int, help="default beam size of a request (default: the checkpoint's)"

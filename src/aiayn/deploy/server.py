@@ -32,7 +32,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -183,6 +183,39 @@ class CTranslate2Backend:
 
 
 # ------------------------------------------------------------------------- batching
+#: The backend of the forked decoding processes: set before they are forked.
+_forked_backend: Backend | None = None
+
+
+def _fork_workers(backend: Backend, workers: int) -> Executor:
+    """`workers` processes forked now (before any request: no other thread holds a lock
+    mid-way), each with one torch thread (aiayn.decoding.workers says why only one)."""
+    import gc
+    import multiprocessing as mp
+
+    from aiayn.decoding.workers import check_workers
+
+    global _forked_backend
+    check_workers(workers)
+    _forked_backend = backend
+    gc.freeze()  # the model's objects stay shared, copy-on-write (aiayn.decoding.workers)
+    pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("fork"), initializer=_one_thread)
+    for f in [pool.submit(_one_thread) for _ in range(workers)]:
+        f.result()  # every process forked and ready
+    return pool
+
+
+def _one_thread() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def _decode_forked(texts: list[str], options: Options) -> list[list[Translation]]:
+    assert _forked_backend is not None, "decoding process without a backend"
+    return _forked_backend.translate(texts, options)
+
+
 class OverloadedError(Exception):
     """The queue is full: the request is refused at once (503 + Retry-After)."""
 
@@ -204,27 +237,38 @@ class Batcher:
         backend: the engine.
         limits: batch size, wait window, queue bound.
         workers: batches decoded at once, each in its own thread (give each torch thread
-            count cores / workers: `aiayn serve` does).
+            count cores / workers: `aiayn serve` does), or with `processes`, each in a
+            forked process of one thread, as `aiayn translate --workers` decodes: the
+            beam search's Python then runs beside the HTTP layer's, not under one lock.
         metrics: where counts go (a `Metrics`), or None.
     """
 
     def __init__(
-        self, backend: Backend, limits: ServerLimits, workers: int = 1, metrics: Any = None
+        self,
+        backend: Backend,
+        limits: ServerLimits,
+        workers: int = 1,
+        metrics: Any = None,
+        processes: bool = False,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
+        self.processes = processes
         self.backend, self.limits, self.workers, self.metrics = backend, limits, workers, metrics
         self.pending: deque[_Job] = deque()
         self.queued = 0  # sentences waiting or decoding
         self.dropped = 0  # jobs whose client left before their batch started
         self._wakeup: asyncio.Event | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: Executor | None = None
 
     # -- life
     async def start(self) -> None:
         self._wakeup = asyncio.Event()
-        self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="aiayn-decode")
+        if self.processes:
+            self._pool = _fork_workers(self.backend, self.workers)
+        else:
+            self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="aiayn-decode")
         self._tasks = [asyncio.create_task(self._worker()) for _ in range(self.workers)]
 
     async def stop(self) -> None:
@@ -315,9 +359,8 @@ class Batcher:
             texts = [t for job in batch for t in job.texts]
             start = time.perf_counter()
             try:
-                results = await loop.run_in_executor(
-                    self._pool, self.backend.translate, texts, batch[0].options
-                )
+                decode = _decode_forked if self.processes else self.backend.translate
+                results = await loop.run_in_executor(self._pool, decode, texts, batch[0].options)
             except Exception as e:  # a bug or a system fault: each request gets a 500
                 logger.exception("decoding a batch of %d sentences failed", len(texts))
                 for job in batch:
@@ -470,11 +513,13 @@ def create_app(
     defaults: DecodeConfig,
     limits: ServerLimits | None = None,
     workers: int = 1,
+    processes: bool = False,
 ) -> Any:
     """The FastAPI application: POST /translate, GET /health, GET /metrics, docs at /docs.
 
     defaults: the decoding options of a request that names none (the checkpoint's, as
-    `aiayn translate` uses them), and the length limit max_len_a/b for all.
+    `aiayn translate` uses them), and the length limit max_len_a/b for all. workers,
+    processes: see `Batcher`.
     """
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response
@@ -483,14 +528,15 @@ def create_app(
     limits.validate()
     defaults.validate()
     metrics = Metrics()
-    batcher = Batcher(backend, limits, workers, metrics)
+    batcher = Batcher(backend, limits, workers, metrics, processes)
     schema = _request_model()
     input_limit = min(backend.input_limit, limits.max_input_tokens or backend.input_limit)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await batcher.start()
-        logger.info("serving %s: %d decoding worker(s)", backend.name, workers)
+        kind = "process(es)" if processes else "thread(s)"
+        logger.info("serving %s: %d decoding %s", backend.name, workers, kind)
         yield
         await batcher.stop()
 
