@@ -32,7 +32,7 @@ MALLOC_ENV = {
     "MALLOC_TOP_PAD_": "536870912",
 }
 #: Subcommands that allocate and free large tensors every step.
-HEAVY_COMMANDS = frozenset({"train", "translate", "recipe", "bench", "serve", "table3"})
+HEAVY_COMMANDS = frozenset({"train", "translate", "recipe", "bench", "serve", "table1", "table3"})
 
 
 def set_onednn_cache_capacity() -> None:

@@ -39,11 +39,13 @@ one layer through n cell steps (counted as the steps every dependency passes thr
 It prints the paper's table with the measurement beside each formula and where
 self-attention's FLOPs and time overtake the LSTM's (the paper: when n > d), and writes
 table1.csv, table1.json and table1.png (log-log: time, FLOPs, memory against n) to
---out. Runtime of the defaults on a 2-core AMD EPYC VM: 38 s (shared with a training
-run: load average 3), 1.3 GiB of memory; --n-max 1024 --repeats 3: 19 s.
+--out. Runtime on an idle 2-core AMD EPYC VM: the defaults 34 s (1.3 GiB of
+memory); --d 128 --batch 4 (enough work a pass for the cheap layers' exponents to
+show: docs/analysis.md) 1 min 46 s.
 
 examples:
   aiayn table1 --out runs/table1
+  aiayn table1 --d 128 --batch 4 --out runs/table1-d128
   aiayn table1 --d 128 --n-max 2048 --repeats 3 --out runs/table1-d128 --json
   aiayn table1 --n-min 16 --n-max 256 --repeats 1 --out /tmp/t1   # a quick look
   aiayn table1 --device cuda --n-max 16384 --out runs/table1-gpu""",
@@ -132,7 +134,7 @@ attention layer. Writes to --out, for each layer (or --layer only):
 
 The decoder's tokens are its inputs, <s> and the translation: row t predicts token
 t+1. Layers and heads count from 1, as the paper's "layer 5 of 6" does. Runtime on a
-2-core AMD EPYC VM: 24 s for the En-De recipe's model (N=4, h=4: 20 pictures, about a
+2-core AMD EPYC VM: 13 s (idle) for the En-De recipe's model (N=4, h=4: 20 pictures, about a
 second each in matplotlib); --layer draws a quarter of them.
 
 examples:
