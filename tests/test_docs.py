@@ -87,3 +87,16 @@ def test_a_bad_number_names_the_file_and_line(tmp_path):
     )
     with pytest.raises(SystemExit, match=r"p\.csv:2:"):
         _plot_probes().read_probes(csv)
+
+
+def test_results_table3_section_is_generated_from_the_probes_csv() -> None:
+    """docs/results.md's Table 3 table is `aiayn table3 --import-probes`'s markdown, as is:
+    a probe added to the CSV, or a number edited by hand, fails here."""
+    from aiayn.experiments import table3
+    from aiayn.experiments.recipe_config import load_recipe
+
+    base_cfg, recipe = load_recipe(ROOT / "configs" / "multi30k-en-de.toml")
+    probes = ROOT / "docs" / "m30k-en-de-probes.csv"
+    rows, _ = table3.import_probes(probes, base_cfg, recipe.vocab_size)
+    text = (ROOT / "docs" / "results.md").read_text(encoding="utf-8")
+    assert table3.markdown(rows) in _section(text, "Table 3's rows among the probes")
