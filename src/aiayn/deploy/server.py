@@ -220,18 +220,18 @@ class OverloadedError(Exception):
     """The queue is full: the request is refused at once (503 + Retry-After)."""
 
 
-@dataclass
+@dataclass(eq=False)  # a job is itself: removed from the queue by identity
 class _Job:
     texts: list[str]
     tokens: int  # source subwords, EOS included
     options: Options
     future: asyncio.Future[list[list[Translation]]]
     enqueued: float = field(default_factory=time.perf_counter)
-    cancelled: bool = False
 
 
 class Batcher:
-    """Collects requests into batches of equal options and decodes them in worker threads.
+    """Collects requests into batches of equal options and decodes them in worker threads
+    or processes.
 
     Args:
         backend: the engine.
@@ -301,9 +301,11 @@ class Batcher:
         self._wakeup.set()
         try:
             return await job.future
-        except asyncio.CancelledError:
-            job.cancelled = True  # a batch not yet started leaves it out
-            raise
+        except asyncio.CancelledError:  # the client left (its future is cancelled too)
+            if job in self.pending:  # not started: its place in the queue is freed now
+                self.pending.remove(job)
+                self._drop(job)
+            raise  # in a batch already: the batch finishes, its result is not delivered
 
     def _gauge(self) -> None:
         if self.metrics is not None:
@@ -312,18 +314,15 @@ class Batcher:
     # -- the worker loop
     def _take(self) -> list[_Job]:
         """The oldest job's options; every waiting job with them, oldest first, up to
-        max_batch_tokens (the first job always). Cancelled jobs are dropped here."""
-        while self.pending and self.pending[0].cancelled:
-            self._drop(self.pending.popleft())
+        max_batch_tokens (the first job always). A job whose client left is not here:
+        `submit` took it out."""
         if not self.pending:
             return []
         first = self.pending[0]
         batch: list[_Job] = []
         tokens, keep = 0, deque[_Job]()
         for job in self.pending:
-            if job.cancelled:
-                self._drop(job)
-            elif job.options == first.options and (
+            if job.options == first.options and (
                 not batch or tokens + job.tokens <= self.limits.max_batch_tokens
             ):
                 batch.append(job)
