@@ -484,6 +484,67 @@ def cases(p: dict[str, Path]) -> list[Case]:
         # info
         *[Case("info", f"--vocab-size {v}", ["info", "--vocab-size", v]) for v in ("0", "-5")],
         Case("info", "--preset foo", ["info", "--preset", "foo"]),
+        # serve (only refusals: a valid command serves until stopped)
+        Case("serve", "--checkpoint missing", ["serve", "--checkpoint", s["tmp"] + "/no.pt"]),
+        Case("serve", "--checkpoint truncated", ["serve", "--checkpoint", s["truncated_ckpt"]]),
+        Case("serve", "--checkpoint flipped", ["serve", "--checkpoint", s["flipped_ckpt"]]),
+        Case("serve", "--checkpoint is a directory", ["serve", "--checkpoint", s["run"]]),
+        *[
+            Case("serve", f"{flag} {v}", ["serve", "--checkpoint", s["ckpt"], flag, v])
+            for flag, v in (
+                ("--workers", "0"),
+                ("--max-queue", "0"),
+                ("--max-batch-tokens", "-1"),
+                ("--max-body-bytes", "0"),
+                ("--batch-wait-ms", "-5"),
+                ("--port", "70000"),
+                ("--port", "-1"),
+                ("--beam", "0"),
+                ("--dtype", "fp16"),
+            )
+        ],
+        # export
+        *[
+            Case(
+                "export",
+                f"--checkpoint {what}",
+                ["export", "--checkpoint", s[key], "--to", "ctranslate2", "--out", s["tmp"] + "/x"],
+            )
+            for what, key in (("truncated", "truncated_ckpt"), ("flipped", "flipped_ckpt"))
+        ],
+        Case(
+            "export",
+            "--out is a file",
+            ["export", "--checkpoint", s["ckpt"], "--to", "marian", "--out", s["src"]],
+        ),
+        Case("export", "--to onnx", ["export", "--checkpoint", s["ckpt"], "--to", "onnx"]),
+        # table1
+        *[
+            Case("table1", f"{flag} {v}", ["table1", flag, v, "--out", s["tmp"] + "/t1"])
+            for flag, v in (("--d", "0"), ("--n-min", "0"), ("--n-max", "-4"), ("--repeats", "0"))
+        ],
+        Case("table1", "--out is a file", ["table1", "--n-max", "32", "--out", s["src"]]),
+        # attention
+        *[
+            Case(
+                "attention",
+                what,
+                ["attention", "--checkpoint", ckpt, "--text", text, "--out", s["tmp"] + "/a"]
+                + extra,
+            )
+            for what, ckpt, text, extra in (
+                ("--checkpoint flipped", s["flipped_ckpt"], "A dog.", []),
+                ("--text empty", s["ckpt"], "", []),
+                ("--text whitespace", s["ckpt"], "  ", []),
+                ("--layer 99", s["ckpt"], "A dog.", ["--layer", "99"]),
+                ("--word absent", s["ckpt"], "A dog.", ["--word", "zebra"]),
+            )
+        ],
+        # table3
+        Case("table3", "config missing", ["table3", s["tmp"] + "/no.toml", "--out", s["tmp"]]),
+        Case("table3", "config without [sweep]", ["table3", s["bad_toml"], "--out", s["tmp"]]),
+        Case("table3", "--csv missing", ["table3", "--csv", s["tmp"] + "/no.csv", "--markdown"]),
+        Case("table3", "--csv is binary", ["table3", "--csv", s["binary"], "--markdown"]),
     ]
 
 

@@ -561,3 +561,22 @@ def test_parse_refuses_an_empty_sentence_naming_its_line(run_dir: Path, tmp_path
     assert not out.exists()
     code, _, err = cli(*args, "--input", words, "--output", words)
     assert code == 2  # an output over its input, refused before loading anything
+
+
+def test_new_commands_refuse_bad_paths_and_numbers_in_one_line(tmp_path: Path) -> None:
+    """What scripts/hostile_inputs.py found in serve, table1 and table3: each now one line."""
+    a_file = tmp_path / "a.txt"
+    a_file.write_text("x\n", encoding="utf-8")
+    code, _, err = cli("serve", "--checkpoint", tmp_path / "c.pt", "--port", "70000")
+    assert code == 2
+    assert_one_line_error(err, "--port 70000")
+    code, _, err = cli("table1", "--n-max", "32", "--out", a_file)
+    assert code == 2
+    assert_one_line_error(err, "a.txt", "is a file")
+    code, _, err = cli("table3", "--csv", tmp_path / "no.csv", "--markdown")
+    assert code == 2
+    assert_one_line_error(err, "no.csv")
+    (tmp_path / "bin.csv").write_bytes(b"\xff\xfe\x00binary")
+    code, _, err = cli("table3", "--csv", tmp_path / "bin.csv", "--markdown")
+    assert code == 1
+    assert_one_line_error(err, "bin.csv", "not UTF-8")

@@ -428,6 +428,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.workers < 1:
         raise UsageError(f"--workers must be >= 1, got {args.workers}")
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port {args.port}: a TCP port is 0..65535")
     limits = ServerLimits(
         max_batch_tokens=args.max_batch_tokens,
         batch_wait_ms=args.batch_wait_ms,

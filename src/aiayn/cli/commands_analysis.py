@@ -38,6 +38,8 @@ def cmd_table1(args: argparse.Namespace) -> int:
         raise UsageError(f"--d {args.d} does not divide into --heads {args.heads}")
     if args.threads < 1:
         raise UsageError("--threads must be >= 1")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise UsageError(f"--out {args.out} is a file; give a directory")
     torch.set_num_threads(args.threads)
     settings = Settings(
         d=args.d,
@@ -116,6 +118,8 @@ def cmd_table3(args: argparse.Namespace) -> int:
 
     if args.config and args.csv:
         raise UsageError("--csv renders a table3.csv already written: not with FILE.toml")
+    if args.csv and not Path(args.csv).is_file():
+        raise UsageError(f"--csv {args.csv}: no such file")
     if not (args.config or args.csv or args.import_probes):
         raise UsageError("give FILE.toml (with --out), --csv CSV or --import-probes CSV")
     if args.config and not args.out:

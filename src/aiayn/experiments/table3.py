@@ -1098,7 +1098,11 @@ def read_csv(path: str | Path) -> list[TableRow]:
 
     types = {f.name: f.type for f in fields(TableRow)}
     rows = []
-    with open(path, encoding="utf-8", newline="") as f:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"{path}: not UTF-8 text (byte {e.start}): not a table3.csv") from None
+    with io.StringIO(text, newline="") as f:
         reader = csv.DictReader(f)
         missing = [n for n in types if n not in (reader.fieldnames or [])]
         if missing:
@@ -1198,7 +1202,11 @@ def import_probes(
 
     base = settings_of(base_cfg)
     groups: dict[tuple[str, str], dict[str, Any]] = {}
-    with open(path, encoding="utf-8", newline="") as f:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"{path}: not UTF-8 text (byte {e.start}): not a table3.csv") from None
+    with io.StringIO(text, newline="") as f:
         reader = csv.DictReader(f)
         need = {"probe", "knob", "machine", "seed", "steps", "recipe_val", "arm_val"}
         if not need <= set(reader.fieldnames or []):
