@@ -276,3 +276,71 @@ def test_bootstrap_interval_is_seeded_and_in_the_signature(tmp_path: Path) -> No
     assert cli["confidence"].endswith(f"± {a.sacrebleu_ci:.2f}")
     with pytest.raises(ValueError, match="bootstrap"):
         score(hyps, refs, "de", bootstrap=1)
+
+
+# ------------------------------------------------------------------------- the paper's BLEU
+def test_compound_splitting_is_get_ende_bleu_sh_perl_on_the_same_lines() -> None:
+    """tensor2tensor's own one-liner, run by perl, is the second implementation."""
+    import random
+    import shutil
+
+    from aiayn.scoring.bleu import split_compounds
+
+    if shutil.which("perl") is None:
+        pytest.skip("needs perl")
+    rng = random.Random(0)
+    lines = [
+        "state-of-the-art",
+        "a-b-c",
+        "3-4 Hand-in-Hand",
+        "- leading and trailing -",
+        "x -y z- w",
+        "Nord-Süd-Verbindung ( E-Mail )",
+        *("".join(rng.choice("ab- ÄöX") for _ in range(rng.randint(0, 30))) for _ in range(300)),
+    ]
+    perl = subprocess.run(
+        ["perl", "-CSD", "-ple", r"s{(\S)-(\S)}{$1 ##AT##-##AT## $2}g"],
+        input="".join(line + "\n" for line in lines),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert [split_compounds(line) for line in lines] == perl.stdout.split("\n")[:-1]
+
+
+def test_paper_bleu_is_cased_tokenized_unsmoothed_bleu_on_split_compounds() -> None:
+    hyps = ["Das ist ein Test-Fall .", "Der Hund läuft schnell.", "Ein Mann"]
+    refs = ["Das ist ein Test-Beispiel .", "Der Hund rennt schnell.", "Ein Mann schläft ."]
+    s = score(hyps, refs, "de")
+    by_hand = sacrebleu.metrics.BLEU(tokenize="none", smooth_method="none", force=True)
+    tokenized_hyps = [
+        "Das ist ein Test ##AT##-##AT## Fall .",
+        "Der Hund läuft schnell .",
+        "Ein Mann",
+    ]
+    tokenized_refs = [
+        "Das ist ein Test ##AT##-##AT## Beispiel .",
+        "Der Hund rennt schnell .",
+        "Ein Mann schläft .",
+    ]
+    assert s.paper_bleu == by_hand.corpus_score(tokenized_hyps, [tokenized_refs]).score
+    assert "compound-split:##AT##" in s.paper_bleu_signature
+    assert "case:mixed" in s.paper_bleu_signature and "smooth:none" in s.paper_bleu_signature
+    # the half-right compound earns n-grams that the unsplit token does not
+    unsplit = by_hand.corpus_score(
+        [h.replace(" ##AT##-##AT## ", "-") for h in tokenized_hyps],
+        [[r.replace(" ##AT##-##AT## ", "-") for r in tokenized_refs]],
+    )
+    assert s.paper_bleu > unsplit.score
+    # cased: a case change costs here, not in tok-BLEU
+    lower = score([h.lower() for h in hyps], refs, "de")
+    assert lower.paper_bleu < s.paper_bleu and lower.tok_bleu == s.tok_bleu
+
+
+def test_paper_bleu_splits_compounds_only_for_german() -> None:
+    hyp, ref = ["la ville est un état-major du pays ."], ["la ville est un état-civil du pays ."]
+    fr, de = score(hyp, ref, "fr"), score(hyp, ref, "de")
+    assert "compound-split:no" in fr.paper_bleu_signature
+    assert "compound-split:##AT##" in de.paper_bleu_signature
+    assert fr.paper_bleu < de.paper_bleu  # only German's split gives "état ##AT##-##AT##" credit
+    assert score(ref, ref, "fr").paper_bleu == pytest.approx(100.0)

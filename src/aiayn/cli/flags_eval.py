@@ -118,7 +118,9 @@ def add_evaluate(
         "score translations (BLEU, chrF, tokenized BLEU) or parses (EVALB)",
         """\
 --task translate: BLEU and chrF come with their sacreBLEU signatures; tok_bleu is
-Moses-tokenized and lowercased.
+Moses-tokenized and lowercased (the Multi30k literature's); paper_bleu is the paper's
+Table 2 convention: cased, Moses-tokenized, unsmoothed, and for German compounds split
+at hyphens ("a ##AT##-##AT## b", tensor2tensor's get_ende_bleu.sh).
 --task parse: labelled bracketing precision, recall and F1, complete match and tagging
 accuracy, computed exactly as EVALB computes them (Sekine and Collins 1997; the tests
 compare the two), with COLLINS.prm's settings unless --params names another parameter

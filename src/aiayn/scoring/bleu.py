@@ -13,6 +13,11 @@ reported with its full signature so that it can be reproduced (RELIABILITY H2, H
   sacrebleu with ``lowercase=True, tokenize="none"``: lowercasing follows tokenization,
   as with ``tokenizer.perl | multi-bleu.perl -lc``. Only comparable with numbers computed
   the same way.
+- ``paper_bleu``: the number the paper's Table 2 printed: cased BLEU on Moses-tokenized
+  text, without smoothing (multi-bleu.perl), and for a German target with compounds split
+  at hyphens, "a-b" -> "a ##AT##-##AT## b", as tensor2tensor's get_ende_bleu.sh does
+  (the script behind the paper's En-De scores): a hyphenated compound that is half right
+  earns n-grams. Only comparable with numbers computed the same way.
 
 The sacrebleu API checks neither that hypotheses and references line up nor their
 encoding: with 1 hypothesis and 3 references it returns BLEU 100 (RELIABILITY E8). So
@@ -31,6 +36,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import re
 from dataclasses import asdict, dataclass
 from importlib.metadata import version
 from pathlib import Path
@@ -55,6 +61,8 @@ class Scores:
     chrf_signature: str
     tok_bleu: float
     tok_bleu_signature: str
+    paper_bleu: float
+    paper_bleu_signature: str
     n_lines: int
     sacrebleu_ci: float | None = None  # half-width of the 95% bootstrap interval
 
@@ -72,6 +80,9 @@ class Scores:
                 f"tok-BLEU = {self.tok_bleu:.2f}  ({self.tok_bleu_signature})",
                 "           (lowercased, Moses-tokenized, multi-bleu style: "
                 "not comparable with BLEU)",
+                f"paper    = {self.paper_bleu:.2f}  ({self.paper_bleu_signature})",
+                "           (the paper's Table 2 convention: cased, Moses-tokenized, "
+                "compounds split at hyphens for German, unsmoothed)",
                 f"lines    = {self.n_lines}",
             ]
         )
@@ -207,6 +218,7 @@ def _score(
     chrf = CHRF()
     chrf_score = chrf.corpus_score(hyps, [refs])
     tok_bleu, tok_sig = _tok_bleu(hyps, refs, target_lang)
+    paper_bleu, paper_sig = _paper_bleu(hyps, refs, target_lang)
     return Scores(
         sacrebleu=bleu_score.score,
         sacrebleu_signature=bleu.get_signature().format(),
@@ -214,6 +226,8 @@ def _score(
         chrf_signature=chrf.get_signature().format(),
         tok_bleu=tok_bleu,
         tok_bleu_signature=tok_sig,
+        paper_bleu=paper_bleu,
+        paper_bleu_signature=paper_sig,
         n_lines=len(hyps),
         # sacrebleu keeps the interval only in `_ci` (its own CLI reads it there too)
         sacrebleu_ci=bleu_score._ci if bootstrap else None,
@@ -235,6 +249,40 @@ def _tok_bleu(hyps: list[str], refs: list[str], target_lang: str) -> tuple[float
     result = bleu.corpus_score([tok(h) for h in hyps], [[tok(r) for r in refs]])
     signature = (
         f"sacremoses-tok:{target_lang}|escape:no|aggressive-dash:no|"
+        f"sacremoses:{version('sacremoses')}|then sacrebleu:"
+        f"{bleu.get_signature().format()}"
+    )
+    return result.score, signature
+
+
+#: tensor2tensor's get_ende_bleu.sh: perl -ple 's{(\S)-(\S)}{$1 ##AT##-##AT## $2}g'
+_COMPOUND = re.compile(r"(\S)-(\S)")
+
+
+def split_compounds(text: str) -> str:
+    """ "a-b" -> "a ##AT##-##AT## b" on Moses-tokenized text, as get_ende_bleu.sh does.
+
+    Perl's s///g resumes after each match, so in "a-b-c" the second hyphen (whose left
+    character the first match consumed) is not split; `re.sub` scans the same way.
+    """
+    return _COMPOUND.sub(r"\1 ##AT##-##AT## \2", text)
+
+
+def _paper_bleu(hyps: list[str], refs: list[str], target_lang: str) -> tuple[float, str]:
+    """Cased, unsmoothed BLEU on Moses-tokenized text, compounds split for German."""
+    import sacremoses  # imported here: see above
+
+    moses = sacremoses.MosesTokenizer(lang=target_lang)
+    split = target_lang == "de"
+
+    def tok(s: str) -> str:
+        t = moses.tokenize(s, escape=False, return_str=True)
+        return split_compounds(t) if split else t
+
+    bleu = BLEU(tokenize="none", smooth_method="none", force=True)
+    result = bleu.corpus_score([tok(h) for h in hyps], [[tok(r) for r in refs]])
+    signature = (
+        f"sacremoses-tok:{target_lang}|escape:no|compound-split:{'##AT##' if split else 'no'}|"
         f"sacremoses:{version('sacremoses')}|then sacrebleu:"
         f"{bleu.get_signature().format()}"
     )
