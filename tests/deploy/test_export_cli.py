@@ -196,3 +196,11 @@ def test_export_help_gives_every_flag_and_examples(capsys: pytest.CaptureFixture
     out = capsys.readouterr().out
     for flag in ("--checkpoint", "--to", "--out", "--quantization", "--force", "examples:"):
         assert flag in out
+
+
+def test_the_parser_lists_ctranslate2_quantizations_as_the_exporter_accepts() -> None:
+    """flags_deploy keeps its own copy (building the parser imports no torch): they agree."""
+    from aiayn.cli.flags_deploy import QUANTIZATIONS
+    from aiayn.deploy.export import CT2_QUANTIZATIONS
+
+    assert tuple(QUANTIZATIONS) == tuple(CT2_QUANTIZATIONS)

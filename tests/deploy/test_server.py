@@ -566,3 +566,27 @@ def test_ctranslate2_behind_the_same_http_layer_gives_aiayn_greedy_outputs(
         status, answer, _ = post(f"{server.url}/translate", {"text": texts, "beam": 1})
     assert status == 200 and answer["model"] == "ctranslate2-float32"
     assert [t["text"] for t in answer["translations"]] == expected(backend, texts, 1)
+
+
+def test_a_batch_the_batcher_made_is_one_decoding_batch(
+    backend: AiaynBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lengths from 1 to 12 subwords padded to the longest exceed decode.max_tokens' budget
+    by far; the backend still decodes them as one batch (the batcher sized it)."""
+    import aiayn.decoding.translate as translate
+
+    made: list[int] = []
+    real = translate.decode_batches
+
+    def counting(lengths: Any, max_tokens: int) -> list[list[int]]:
+        batches = real(lengths, max_tokens)
+        made.append(len(batches))
+        return batches
+
+    monkeypatch.setattr(translate, "decode_batches", counting)
+    texts = _texts(60, seed=9)
+    narrow = replace(backend.decode, max_tokens=20)
+    small = AiaynBackend(backend.model, backend.tokenizer, narrow, name="narrow")
+    results = small.translate(texts, Options(1, 0.6, 1))
+    assert made == [1]
+    assert [r[0].text for r in results] == expected(backend, texts, 1)

@@ -235,7 +235,7 @@ def cmd_average(args: argparse.Namespace) -> int:
 def _load_decoder(
     args: argparse.Namespace, outputs: tuple[str, ...], extra: dict[str, Any]
 ) -> tuple[Any, Any, Config]:
-    """translate's and parse's common start: check the device, the output flags named in
+    """translate's, parse's and serve's common start: check the device, the output flags named in
     `outputs` and --input before loading anything; load the checkpoints as one decoder in
     --dtype; the config with the decoding flags given (and `extra`) applied."""
     from aiayn.checkpoints import load_ensemble
@@ -243,13 +243,14 @@ def _load_decoder(
     from aiayn.fast.inference import cast_for_inference
 
     check_device(args.device)
+    source = getattr(args, "input", None)  # serve has none
     for flag in outputs:
         if getattr(args, flag) is not None:
             check_output_file(
-                getattr(args, flag), inputs=(args.input, *args.checkpoint), force=args.force
+                getattr(args, flag), inputs=(source, *args.checkpoint), force=args.force
             )
-    if args.input is not None and not Path(args.input).exists():
-        raise UsageError(f"--input {args.input}: no such file")
+    if source is not None and not Path(source).exists():
+        raise UsageError(f"--input {source}: no such file")
     models, tokenizer, cfg = load_ensemble([Path(p) for p in args.checkpoint], device=args.device)
     model = as_decoder([cast_for_inference(m, args.dtype) for m in models])
     overrides = {
@@ -443,7 +444,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         limits.validate()
     except ValueError as e:
         raise UsageError(str(e)) from None
-    args.input, args.force = None, False  # what _load_decoder checks for translate
     model, tokenizer, cfg = _load_decoder(args, (), {})
     processes = args.device == "cpu" and args.workers > 1  # as translate --workers: forked
     name = Path(args.checkpoint[0]).name if len(args.checkpoint) == 1 else "ensemble"

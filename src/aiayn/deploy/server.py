@@ -79,6 +79,10 @@ class Options:
 
 
 # ------------------------------------------------------------------------- engines
+#: `decode.max_tokens` that keeps any batch the batcher made in one decoding batch.
+ONE_BATCH = 1 << 62
+
+
 class Backend(Protocol):
     """What decodes: texts in, each text's n best translations out (best first)."""
 
@@ -109,9 +113,14 @@ class AiaynBackend:
         return len(self.tokenizer.encode(text))
 
     def translate(self, texts: list[str], options: Options) -> list[list[Translation]]:
-        cfg = replace(self.decode, beam=options.beam, alpha=options.alpha, nbest=options.nbest)
-        # the batch was sized by the batcher; one decoding batch for all of it
-        cfg = replace(cfg, max_tokens=max(cfg.max_tokens, 1 + sum(map(self.count_tokens, texts))))
+        # the batcher sized the batch: one decoding batch for all of it, whatever its padding
+        cfg = replace(
+            self.decode,
+            beam=options.beam,
+            alpha=options.alpha,
+            nbest=options.nbest,
+            max_tokens=ONE_BATCH,
+        )
         results, _ = translate_nbest(self.model, self.tokenizer, texts, cfg, self.device)
         return results
 
