@@ -352,3 +352,25 @@ def test_the_data_is_prepared_once_for_every_row(tmp_path):
     assert src.name.startswith("val.en") and ref.name.startswith("val.de")
     with pytest.raises(ConfigError, match="vocab_size: 200 -> 300"):
         t3.prepare_data(t3.load_table3(path, {**small, "recipe.vocab_size": 300}), out, None)
+
+
+def test_rows_trained_in_parallel_processes_equal_rows_trained_one_after_another(
+    tmp_path, small_data
+):
+    exp = t3.load_table3(micro_grid(tmp_path))
+    one = t3.run_table3(exp, tmp_path / "one", prepared=small_data, rows=["base", "A1"])
+    two = t3.run_table3(exp, tmp_path / "two", prepared=small_data, rows=["base", "A1"], jobs=2)
+    assert [r.row for r in two.rows] == ["base", "A1"] and two.missing == ["A3"]
+    for a, b in zip(one.runs, two.runs, strict=True):
+        assert (a.row, a.seed, a.steps, a.params) == (b.row, b.seed, b.steps, b.params)
+        # each worker has one thread, this process may have more: other summation order
+        assert b.dev_ppl == pytest.approx(a.dev_ppl, rel=1e-4)
+        losses = [
+            [json.loads(x).get("loss") for x in (Path(r.run_dir) / "train_log.jsonl").open()]
+            for r in (a, b)
+        ]
+        assert [x for x in losses[1] if x] == pytest.approx([x for x in losses[0] if x], rel=1e-4)
+    assert [r.row for r in t3.read_csv(tmp_path / "two" / "table3.csv")] == ["base", "A1"]
+    # a finished parallel sweep is finished: nothing runs again
+    again = t3.run_table3(exp, tmp_path / "two", prepared=small_data, rows=["base", "A1"], jobs=2)
+    assert [r.train_seconds for r in again.runs] == [r.train_seconds for r in two.runs]

@@ -128,6 +128,8 @@ def cmd_table3(args: argparse.Namespace) -> int:
         raise UsageError(f"--out {args.out} is a file; give a directory")
     if args.seeds is not None and args.seeds < 1:
         raise UsageError(f"--seeds must be >= 1, got {args.seeds}")
+    if args.jobs < 1:
+        raise UsageError(f"--jobs must be >= 1, got {args.jobs}")
     if args.max_minutes_per_row is not None and args.max_minutes_per_row <= 0:
         raise UsageError(f"--max-minutes-per-row must be > 0, got {args.max_minutes_per_row}")
     overrides = parse_set_args(args.set or [])
@@ -172,6 +174,7 @@ def cmd_table3(args: argparse.Namespace) -> int:
                 rerun_changed=args.rerun_changed,
                 train=not args.no_train,
                 extra_rows=extra,
+                jobs=args.jobs,
             )
         except RecipeStoppedError as e:
             print(f"aiayn table3: {e}", file=sys.stderr)

@@ -103,6 +103,15 @@ examples:
         "[sweep.set], e.g. train.max_steps=2000; repeatable (default: none)",
     )
     p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        metavar="K",
+        help="runs trained at once, each in its own process with its share of the cores: "
+        "for a GPU, which one row of the tiny model leaves mostly idle (per-step progress "
+        "bars give way to a line per finished row); on a 2-core CPU keep 1 (default: 1)",
+    )
+    p.add_argument(
         "--rerun-changed",
         action="store_true",
         help="move the runs whose training settings changed aside and train them again "

@@ -721,6 +721,7 @@ def run_table3(
     rerun_changed: bool = False,
     train: bool = True,
     extra_rows: Sequence[TableRow] = (),
+    jobs: int = 1,
 ) -> Table3Report:
     """Train and score the rows `rows` names (all by default; the base row always), each
     seed in DIR/ROW/seedS, then write DIR/table3.csv and DIR/table3.json with every
@@ -738,6 +739,8 @@ def run_table3(
         rerun_changed: move runs whose settings changed aside and train them again,
             instead of refusing.
         train: False: train nothing, score nothing; the table of what is finished.
+        jobs: runs trained at once, each in its own process (`_run_parallel`): for a GPU,
+            which one small row leaves mostly idle; `hooks_for` is not called then.
 
     Raises:
         ConfigError: before any training, for the runs whose settings changed (each
@@ -769,6 +772,7 @@ def run_table3(
             + "; ".join(f"{p.run_dir}: {p.why}" for p in changed)
         )
     results: list[RunResult] = []
+    queued: list[tuple[_Plan, RunResult | None]] = []
     for p in plans:
         todo = p.spec.name in chosen and train
         if p.action == "done":
@@ -787,25 +791,29 @@ def run_table3(
         else:
             if p.action == "changed":
                 _move_aside(p.run_dir)
-            previous = p.previous if p.action == "rescore" else None
-            hooks = (
-                hooks_for(p.spec.name, p.cfg.train.seed, p.cfg.train.max_steps)
-                if hooks_for
-                else None
+            queued.append((p, p.previous if p.action == "rescore" else None))
+    if jobs > 1 and len(queued) > 1:
+        results += _run_parallel(exp, queued, prep, data_id, skey, device, jobs)
+        queued = []
+    for p, previous in queued:
+        hooks = (
+            hooks_for(p.spec.name, p.cfg.train.seed, p.cfg.train.max_steps) if hooks_for else None
+        )
+        results.append(
+            _train_run(
+                exp,
+                p.spec,
+                p.cfg,
+                p.run_dir,
+                prep,
+                (train_key(p.cfg, data_id), skey),
+                device,
+                hooks,
+                previous,
             )
-            results.append(
-                _train_run(
-                    exp,
-                    p.spec,
-                    p.cfg,
-                    p.run_dir,
-                    prep,
-                    (train_key(p.cfg, data_id), skey),
-                    device,
-                    hooks,
-                    previous,
-                )
-            )
+        )
+    order = {(s.name, seed): k for k, s in enumerate(exp.rows) for seed in exp.seed_list(seeds)}
+    results.sort(key=lambda r: order.get((r.row, r.seed), len(order)))
     table = aggregate(exp, results) + list(extra_rows)
     done = {r.row for r in results}
     missing = [s.name for s in exp.rows if s.name not in done]
@@ -814,6 +822,103 @@ def run_table3(
         out.mkdir(parents=True, exist_ok=True)
         report.files = write_outputs(report, out, exp)
     return report
+
+
+def _child_init(threads: int) -> None:
+    """A worker process of `_run_parallel`: its share of the cores, its log lines on stderr
+    with the process's name, SIGINT left to the parent (which stops the workers with
+    SIGTERM, so that each saves its run before it exits)."""
+    import signal
+
+    import torch
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(threads)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(processName)s %(message)s", force=True
+    )
+
+
+def _run_parallel(
+    exp: Table3Experiment,
+    queued: Sequence[tuple[_Plan, RunResult | None]],
+    prepared: Path,
+    data_id: dict[str, Any],
+    skey: dict[str, Any],
+    device: str,
+    jobs: int,
+) -> list[RunResult]:
+    """Train (or rescore) the queued runs `jobs` at a time, each in a fresh process, and
+    return the results of those that finished, in the order they finished.
+
+    A row of the tiny model keeps a GPU busy for a fraction of each step (the step is
+    bound by launching kernels from Python), so several rows in parallel processes share
+    one GPU at little cost to each. Each run directory is its own; the table is written
+    once, by the caller, when all are done. A signal (SIGTERM, Ctrl-C) to this process
+    is passed to the workers, each saves its run, and RecipeStoppedError is raised: the
+    same call resumes.
+    """
+    import multiprocessing as mp
+    import os
+    import signal
+    from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+
+    from aiayn.experiments.stages import RecipeStoppedError
+
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    received: list[int] = []
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        received.append(signum)
+
+    old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    results: list[RunResult] = []
+    failed: list[str] = []
+    pool = ProcessPoolExecutor(
+        max_workers=min(jobs, len(queued)),
+        mp_context=mp.get_context("spawn"),
+        initializer=_child_init,
+        initargs=(threads,),
+    )
+    try:
+        pending: dict[Future[RunResult], _Plan] = {}
+        for p, previous in queued:
+            keys = (train_key(p.cfg, data_id), skey)
+            args = (exp, p.spec, p.cfg, p.run_dir, prepared, keys, device, None, previous)
+            pending[pool.submit(_train_run, *args)] = p
+        log.info("%d runs, %d at a time (%d threads each)", len(pending), jobs, threads)
+        while pending:
+            done, _ = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
+            if received:
+                break
+            for f in done:
+                p = pending.pop(f)
+                try:
+                    results.append(f.result())
+                except Exception as e:  # one row's failure leaves the others running
+                    failed.append(f"{p.spec.name} seed {p.cfg.train.seed} ({p.run_dir}): {e}")
+                    log.error("row %s seed %d failed: %s", p.spec.name, p.cfg.train.seed, e)
+        if received:
+            for f in pending:
+                f.cancel()
+            for proc in list(getattr(pool, "_processes", {}).values()):
+                if proc.is_alive():
+                    os.kill(proc.pid, signal.SIGTERM)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    if received:
+        name = signal.Signals(received[0]).name
+        stopped = RecipeStoppedError(name, 0, prepared)
+        stopped.args = (
+            f"stopped by {name}: {len(results)} runs finished, the others saved where they "
+            "were; rerun the same command to resume",
+        )
+        raise stopped
+    if failed:
+        raise RuntimeError("runs failed (the others finished): " + "; ".join(failed))
+    return results
 
 
 def aggregate(exp: Table3Experiment, results: Sequence[RunResult]) -> list[TableRow]:
