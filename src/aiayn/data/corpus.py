@@ -4,6 +4,7 @@ them)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from pathlib import Path
@@ -11,12 +12,15 @@ from typing import Any
 
 import torch
 
+from aiayn.data.pairs import Corpus
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.files import InputError, sha256_file
 
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
+#: `prepare --streaming`: each split as memory-mapped .npy arrays (data.mmap_corpus).
+MMAP_FORMAT_VERSION = 2
 MANIFEST_FILE = "manifest.json"
 SPM_FILE = "spm.model"
 SPLITS = ("train", "valid", "test")
@@ -34,10 +38,10 @@ def load_manifest(data_dir: str | Path) -> dict[str, Any]:
         manifest: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise InputError(f"{path}: unreadable manifest ({e}); re-run `aiayn prepare`") from None
-    if manifest.get("format") != FORMAT_VERSION:
+    if manifest.get("format") not in (FORMAT_VERSION, MMAP_FORMAT_VERSION):
         raise InputError(
             f"{path}: format {manifest.get('format')!r}, expected "
-            f"{FORMAT_VERSION}; re-run `aiayn prepare`"
+            f"{FORMAT_VERSION} or {MMAP_FORMAT_VERSION}; re-run `aiayn prepare`"
         )
     return manifest
 
@@ -61,66 +65,6 @@ def load_tokenizer(data_dir: str | Path) -> Tokenizer:
     return Tokenizer.load(_verified(Path(data_dir), entry["path"], entry["sha256"]))
 
 
-class Corpus:
-    """One prepared split: pair i is (src(i), tgt(i)), subword ids without BOS or EOS.
-
-    Attributes:
-        src_lens, tgt_lens: int64 (n,) lengths in subwords, without BOS/EOS.
-        line_numbers: int64 (n,) the pair's 1-based line in the raw input files.
-    """
-
-    def __init__(self, data: dict[str, torch.Tensor], name: str = "<corpus>") -> None:
-        n = data["line_numbers"].numel()
-        for side in ("src", "tgt"):
-            ids, off = data[f"{side}_ids"], data[f"{side}_offsets"]
-            if (
-                ids.dtype != torch.int32
-                or off.dtype != torch.int64
-                or off.numel() != n + 1
-                or int(off[0]) != 0
-                or int(off[-1]) != ids.numel()
-                or bool((off[1:] < off[:-1]).any())
-            ):
-                raise InputError(f"{name}: inconsistent {side} ids/offsets; re-run prepare")
-        self._src_ids, self._src_off = data["src_ids"], data["src_offsets"]
-        self._tgt_ids, self._tgt_off = data["tgt_ids"], data["tgt_offsets"]
-        self.line_numbers = data["line_numbers"]
-        self.src_lens = self._src_off[1:] - self._src_off[:-1]
-        self.tgt_lens = self._tgt_off[1:] - self._tgt_off[:-1]
-
-    def __len__(self) -> int:
-        return int(self.line_numbers.numel())
-
-    def src(self, i: int) -> list[int]:
-        return self._src_ids[self._src_off[i] : self._src_off[i + 1]].tolist()
-
-    def tgt(self, i: int) -> list[int]:
-        return self._tgt_ids[self._tgt_off[i] : self._tgt_off[i + 1]].tolist()
-
-    def both_directions(self) -> Corpus:
-        """Every pair twice, as (src, tgt) and then as (tgt, src): bidirectional training's
-        data (Ding et al., 2021). Needs one vocabulary for both languages, as
-        `prepare` builds; pair n + i is pair i reversed, with its line number."""
-
-        def joined(first: str, second: str) -> tuple[torch.Tensor, torch.Tensor]:
-            ids_a, off_a = getattr(self, f"_{first}_ids"), getattr(self, f"_{first}_off")
-            ids_b, off_b = getattr(self, f"_{second}_ids"), getattr(self, f"_{second}_off")
-            return torch.cat([ids_a, ids_b]), torch.cat([off_a, off_b[1:] + ids_a.numel()])
-
-        src_ids, src_off = joined("src", "tgt")
-        tgt_ids, tgt_off = joined("tgt", "src")
-        return Corpus(
-            {
-                "src_ids": src_ids,
-                "src_offsets": src_off,
-                "tgt_ids": tgt_ids,
-                "tgt_offsets": tgt_off,
-                "line_numbers": torch.cat([self.line_numbers, self.line_numbers]),
-            },
-            name="<both directions>",
-        )
-
-
 def load_corpus(data_dir: str | Path, split: str) -> Corpus:
     """Load a prepared split after checking it and spm.model against the manifest's hashes.
 
@@ -135,5 +79,39 @@ def load_corpus(data_dir: str | Path, split: str) -> Corpus:
         )
     spm_entry, entry = manifest["spm_model"], manifest["splits"][split]
     _verified(data_dir, spm_entry["path"], spm_entry["sha256"])
+    if manifest["format"] == MMAP_FORMAT_VERSION:
+        from aiayn.data.mmap_corpus import MmapCorpus
+
+        for f in entry["files"].values():  # sizes first: a truncated file says so
+            p = data_dir / f["path"]
+            if p.is_file() and p.stat().st_size != f["bytes"]:
+                raise InputError(
+                    f"{p}: {p.stat().st_size} bytes, the manifest expects {f['bytes']}: "
+                    "truncated or replaced; re-run `aiayn prepare --streaming`"
+                )
+            _verified(data_dir, f["path"], f["sha256"])  # streamed, 1 MiB at a time
+        return MmapCorpus(data_dir, split)
     path = _verified(data_dir, entry["path"], entry["sha256"])
     return Corpus(torch.load(path, weights_only=True), name=str(path))
+
+
+def has_split(data_dir: str | Path, split: str) -> bool:
+    """Whether `prepare` wrote `split` (its file, for the .pt format, as trainers checked)."""
+    data_dir = Path(data_dir)
+    manifest = load_manifest(data_dir)
+    if manifest["format"] == MMAP_FORMAT_VERSION:
+        return split in manifest["splits"]
+    return (data_dir / f"{split}.pt").exists()
+
+
+def split_sha256(data_dir: str | Path, split: str) -> str:
+    """The identity of a prepared split that checkpoints record: the sha256 of SPLIT.pt,
+    or for memory-mapped splits the sha256 of their files' hashes (from the manifest,
+    which load_corpus has checked them against), so nothing is read twice."""
+    data_dir = Path(data_dir)
+    manifest = load_manifest(data_dir)
+    if manifest["format"] == MMAP_FORMAT_VERSION:
+        files = manifest["splits"][split]["files"]
+        joined = "\n".join(f"{k} {files[k]['sha256']}" for k in sorted(files))
+        return hashlib.sha256(joined.encode()).hexdigest()
+    return sha256_file(data_dir / f"{split}.pt")

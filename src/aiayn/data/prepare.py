@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 
 _MAX_LOGGED = 10  # dropped lines named individually in the log, per split
+_BIG_INPUT = 1 << 30  # training text (bytes on disk) above which --streaming is suggested
 _ENCODE_CHUNK = 10_000  # lines per sentencepiece call: fast, with bounded temporary lists
 
 
@@ -285,6 +286,7 @@ def prepare(
     seed: int = 1,
     lowercase: bool = False,
     split_by_script: bool = True,
+    model_type: str = "bpe",
 ) -> dict[str, Any]:
     """Turn raw parallel text into the id tensors, vocabulary and manifest training reads.
 
@@ -306,6 +308,10 @@ def prepare(
             Tokenizer.train); the checkpoint then lowercases any input it translates.
         split_by_script: False lets a subword span a bracket and letters (see
             Tokenizer.train): the parsing task's linearized trees need it.
+        model_type: "bpe", or "unigram" (see Tokenizer.train_from_sentences).
+
+    Every line is held in memory: for WMT-sized corpora use
+    data.stream_prepare.prepare_streaming (`aiayn prepare --streaming`).
 
     Returns:
         The manifest, as written to `out/manifest.json`.
@@ -319,6 +325,14 @@ def prepare(
         for split, p in prefixes.items()
         if p is not None
     }
+    big = sum(p.stat().st_size for p in inputs["train"])
+    if big > _BIG_INPUT:
+        logger.warning(
+            "%s and %s hold %.1f GB: this prepare keeps every line in memory; "
+            "`aiayn prepare --streaming` (data.stream_prepare) works in bounded memory",
+            *inputs["train"],
+            big / 1e9,
+        )
     counts = {split: check_line_counts(*paths) for split, paths in inputs.items()}
     pairs = {split: _read_pairs(*paths, on_empty, on_bad_utf8) for split, paths in inputs.items()}
     trained = tokenizer is None
@@ -337,6 +351,7 @@ def prepare(
             seed=seed,
             lowercase=lowercase,
             split_by_script=split_by_script,
+            model_type=model_type,
         )
     opts = {
         "max_len": max_len,
@@ -363,6 +378,7 @@ def prepare(
             lowercase=lowercase,
             # only when set, so that translation's manifests (and their hashes) stay as they were
             **({} if split_by_script else {"split_by_script": False}),
+            **({} if model_type == "bpe" else {"model_type": model_type}),
         ),
         "inputs": {
             split: {
