@@ -19,7 +19,7 @@ else:  # Python 3.10 has no tomllib; tomli is the same parser (a dependency ther
     import tomli as tomllib
 
 Positional = Literal["sinusoidal", "learned"]
-DType = Literal["fp32", "bf16"]
+DType = Literal["fp32", "bf16", "fp16", "auto"]  # aiayn.training.precision
 
 #: oneDNN's kernel cache as the `aiayn` command sets it (`aiayn.cli.environment`; oneDNN's
 #: default is 1,024). On the CPU each bf16 matrix product of a new shape is a kernel compiled
@@ -86,6 +86,16 @@ class TrainConfig:
     adam_eps: float = 1e-9
     max_tokens: int = 25000  # per batch and per side, before accumulation (section 5.1)
     update_freq: int = 1  # gradient accumulation: batches per optimizer step
+    # The paper's batch as one number, whatever the number of ranks: tokens per side per
+    # optimizer step over all ranks and accumulation (section 5.1: ~25,000). The epoch is
+    # cut into global batches of this budget (padding included), and each is split into
+    # ranks x accumulation slices of equal sentence counts; accumulation is chosen, not
+    # given: max(update_freq, ceil(global / (ranks x max_tokens))), so that max_tokens
+    # stays a per-rank memory cap and update_freq a floor. Then 8 ranks, 4 ranks x 2 and
+    # 1 rank x 8 read the same sentences each step, and a resume on another number of
+    # ranks is exact in data (aiayn.training.epochs). 0 = off: max_tokens is per rank
+    # and per batch, and the step's batch grows with the ranks.
+    global_batch_tokens: int = 0
     max_steps: int = 100_000
     max_minutes: float = 0.0  # wall-clock budget for training; 0 = none
     clip_norm: float = 0.0  # 0 = no clipping (the paper does not clip)
@@ -137,6 +147,20 @@ class TrainConfig:
     # 0 = off, the paper's inputs.
     word_dropout: float = 0.0
     patience: int = 0  # stop after this many validations without a better NLL; 0 = never
+    # Watching a long run (aiayn.training.watch), none of it changing the training: every
+    # valid_bleu_interval_steps steps (a multiple of valid_interval_steps; 0 = off, as in
+    # the recipes) the validation also decodes the first valid_bleu_sentences validation
+    # pairs (0 = all) with beam valid_bleu_beam (1 = greedy), output length <=
+    # decode.max_len_a x input + decode.max_len_b, and logs their sacreBLEU as valid_bleu.
+    valid_bleu_interval_steps: int = 0
+    valid_bleu_sentences: int = 500
+    valid_bleu_beam: int = 1
+    # checkpoint_best.pt, the weights of the best validation so far: by "bleu" (valid
+    # BLEU), "ppl" (valid perplexity), "auto" (BLEU where it is measured, else none) or
+    # "none". Never deleted by keep_last; the value to beat is in the training state.
+    best_metric: str = "auto"
+    # TensorBoard event files in RUN/tensorboard/ (rank 0): train_log.jsonl's numbers.
+    tensorboard: bool = True
     # Before step 1 (and after a resume), one forward and backward pass over the epoch's
     # largest batches (RELIABILITY C7), so that a batch too big for the device's memory
     # fails at minute 0 with advice, not hours in; no update, and the run is unchanged.
@@ -181,6 +205,7 @@ class TrainConfig:
             "save_interval_minutes",
             "rdrop_alpha",
             "bidirectional_epochs",
+            "global_batch_tokens",
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
@@ -189,8 +214,10 @@ class TrainConfig:
                 raise ConfigError(f"train.{name} must be in [0, 1), got {getattr(self, name)}")
         if self.max_len_ratio < 1.0:
             raise ConfigError(f"train.max_len_ratio must be >= 1, got {self.max_len_ratio}")
-        if self.dtype not in ("fp32", "bf16"):
-            raise ConfigError(f"train.dtype must be 'fp32' or 'bf16', got {self.dtype!r}")
+        if self.dtype not in ("fp32", "bf16", "fp16", "auto"):
+            raise ConfigError(
+                f"train.dtype must be 'fp32', 'bf16', 'fp16' or 'auto', got {self.dtype!r}"
+            )
         if self.divergence not in ("off", "rollback", "stop"):
             raise ConfigError(
                 f"train.divergence must be 'off', 'rollback' or 'stop', got {self.divergence!r}"
@@ -207,6 +234,31 @@ class TrainConfig:
         for name in ("patience", "max_rollbacks"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+        self._validate_watch()
+
+    def _validate_watch(self) -> None:
+        """The keys of valid BLEU, the best checkpoint and TensorBoard."""
+        for name in ("valid_bleu_interval_steps", "valid_bleu_sentences"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+        if self.valid_bleu_interval_steps % self.valid_interval_steps:
+            raise ConfigError(
+                f"train.valid_bleu_interval_steps ({self.valid_bleu_interval_steps}) must be a "
+                f"multiple of train.valid_interval_steps ({self.valid_interval_steps}): BLEU "
+                "is measured at validations"
+            )
+        if self.valid_bleu_beam < 1:
+            raise ConfigError(f"train.valid_bleu_beam must be >= 1, got {self.valid_bleu_beam}")
+        if self.best_metric not in ("auto", "bleu", "ppl", "none"):
+            raise ConfigError(
+                "train.best_metric must be 'auto', 'bleu', 'ppl' or 'none', got "
+                f"{self.best_metric!r}"
+            )
+        if self.best_metric == "bleu" and not self.valid_bleu_interval_steps:
+            raise ConfigError(
+                "train.best_metric = 'bleu' needs train.valid_bleu_interval_steps > 0 "
+                "(valid BLEU is off)"
+            )
 
 
 @dataclass(frozen=True)

@@ -79,6 +79,26 @@ def test_bench_train_and_decode_report_the_protocol_fields():
     assert decode["native_attention"] == (native.library() is not None)
 
 
+def test_bench_trains_fp16_with_the_loss_scaler():
+    """`bench train --dtype fp16` runs the trainer's fp16 step: the loss times a GradScaler's
+    scale; at a scale past float16's range (2^40: the float16 gradients overflow) Adam is
+    skipped and the scale halved; at PyTorch's initial 2^16 the step trains, and the
+    result reports the scale reached."""
+    from aiayn.experiments.bench import train_step
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)
+    step, model, _, _ = train_step("tiny", "fp16", vocab=200, batch=4, scaler=scaler)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    step()
+    assert scaler.get_scale() == 2.0**39
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    result = bench_train("tiny", "fp16", steps=1, warmup=0, vocab=200, batch=4, peak=False)
+    assert result["dtype"] == "fp16" and result["loss_scale"] == 2.0**16
+    assert "loss_scale" not in bench_train(
+        "tiny", "fp32", steps=1, warmup=0, vocab=200, batch=4, peak=False
+    )
+
+
 def test_int8_ceiling_is_measured_with_the_int8_product_and_training_refuses_int8(monkeypatch):
     """int8 decoding's peak_fraction is against the rate of the product it runs
     (translate.int8_matmul: torch._int_mm, int8 x int8 -> int32), not float32's; int8 is

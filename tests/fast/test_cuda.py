@@ -220,11 +220,74 @@ def test_a_batch_too_big_for_the_gpu_fails_in_the_preflight(small_data: Path, tm
     assert list_checkpoints(tmp_path / "run") == []
 
 
+def test_fp16_trains_and_resumes_bitwise_on_cuda(small_data: Path, tmp_path: Path):
+    """fp16 with dynamic loss scaling on a GPU: the losses within 2% of fp32's (dropout
+    off), the scaler's state in every checkpoint, and a run (dropout on) stopped at step 4
+    and resumed ends bitwise as the uninterrupted one: each step's loss, the weights, Adam
+    and the scaler. "auto" is bf16 on a GPU that multiplies bf16 natively, else fp16."""
+    from aiayn.checkpoints import load_checkpoint
+    from aiayn.training.persistence import SCALER_KEY
+    from aiayn.training.precision import resolve_dtype
+    from aiayn.training.trainer import train
+    from helpers import step_losses
+
+    base = {
+        "N": 1,
+        "d_model": 32,
+        "d_ff": 64,
+        "h": 2,
+        "d_k": 16,
+        "d_v": 16,
+        "P_drop": 0.0,
+        "train.max_tokens": 300,
+        "max_steps": 8,
+        "save_interval_steps": 4,
+        "valid_interval_steps": 4,
+        "log_interval_steps": 1,
+        "train.warmup_steps": 4,
+    }
+
+    def cfg(**over):
+        return apply_overrides(get_preset("tiny"), {**base, **over})
+
+    fp32 = train(cfg(dtype="fp32"), small_data, tmp_path / "fp32", device="cuda")
+    fp16 = train(cfg(dtype="fp16"), small_data, tmp_path / "fp16", device="cuda")
+    losses32 = [h["loss"] for h in fp32.history]
+    losses16 = [h["loss"] for h in fp16.history]
+    assert losses16 == pytest.approx(losses32, rel=2e-2) and losses16 != losses32
+    assert losses16[-1] < losses16[0]
+    assert all(h["loss_scale"] > 0 for h in fp16.history)
+    saved = load_checkpoint(tmp_path / "fp16" / "checkpoint_8.pt")[SCALER_KEY]
+    assert saved["scale"] == fp16.history[-1]["loss_scale"]
+    assert saved["scale"] == 2.0**16 / 2**fp16.state.overflow_skipped  # no growth in 8 steps
+
+    dropout = cfg(dtype="fp16", P_drop=0.1)
+    train(dropout, small_data, tmp_path / "full", device="cuda")
+    train(
+        cfg(dtype="fp16", P_drop=0.1, max_steps=4), small_data, tmp_path / "resumed", device="cuda"
+    )
+    train(dropout, small_data, tmp_path / "resumed", device="cuda")
+    assert dict(step_losses(tmp_path / "resumed")) == dict(step_losses(tmp_path / "full"))
+    a = load_checkpoint(tmp_path / "full" / "checkpoint_8.pt")
+    b = load_checkpoint(tmp_path / "resumed" / "checkpoint_8.pt")
+    assert a[SCALER_KEY] == b[SCALER_KEY]
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    adam_a, adam_b = a["optimizer"]["state"], b["optimizer"]["state"]
+    assert all(
+        torch.equal(adam_a[i][k], adam_b[i][k]) for i in adam_a for k in ("exp_avg", "exp_avg_sq")
+    )
+    native = torch.cuda.is_bf16_supported(including_emulation=False)
+    assert resolve_dtype("auto", "cuda") == ("bf16" if native else "fp16")
+
+
 def test_bench_runs_on_cuda():
     """`aiayn bench train|decode` on a GPU: tokens/s, and the peak fraction against the
     matrix-product ceiling measured on the same GPU."""
     r = bench.bench_train("tiny", "bf16", "cuda", steps=2, warmup=1, batch=32)
     assert r["tokens_per_s"] > 0 and 0 < r["peak_fraction"] < 1
+    r = bench.bench_train("tiny", "fp16", "cuda", steps=2, warmup=1, batch=32)
+    assert r["tokens_per_s"] > 0 and 0 < r["peak_fraction"] < 1
+    assert r["loss_scale"] == 2.0**16  # PyTorch's initial scale: no overflow here
     d = bench.bench_decode("tiny", "bf16", "cuda", beam=2, out_len=5, sentences=16, batch=8)
     assert d["sentences_per_s"] > 0
 

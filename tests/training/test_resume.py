@@ -160,6 +160,38 @@ def test_kill_9_and_rerun_20_draws(
     record_property("steps_lost", lost)
 
 
+@pytest.mark.slow
+@pytest.mark.rows("A1")
+def test_kill_9_and_rerun_is_bitwise_equal_in_fp16(
+    small_data: Path, tmp_path: Path, record_property: pytest.RecordProperty
+) -> None:
+    """A1 in fp16 mixed precision (the CPU's float16 autocast and GradScaler): `kill -9`
+    at a random step of a 20-step run, then the same command: bitwise equal losses,
+    weights, Adam, counters and the loss scaler's scale and growth tracker. (Resuming
+    just after an overflow-skipped step: tests/training/test_fp16.py.)"""
+    steps = 20
+    baseline = tmp_path / "baseline"
+    cli_train(small_data, baseline, dtype="fp16", max_steps=steps)
+    kill_at = random.Random().randrange(2, steps + 1)
+    run = tmp_path / "run"
+    killed = cli_train(
+        small_data,
+        run,
+        faults=f"kill_at_step={kill_at}",
+        check=False,
+        dtype="fp16",
+        max_steps=steps,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    cli_train(small_data, run, dtype="fp16", max_steps=steps)
+    assert dict(step_losses(run)) == dict(step_losses(baseline))
+    a, b = (load_checkpoint(r / "checkpoint_last.pt") for r in (baseline, run))
+    assert a["grad_scaler"]["_growth_tracker"] == steps  # no overflow: 20 clean steps
+    assert_bitwise(final_state(baseline), final_state(run), f"fp16, kill at {kill_at}")
+    assert_bitwise(a["grad_scaler"], b["grad_scaler"], "grad_scaler")
+    record_property("faults", {"kill -9 during an fp16 step": 1})
+
+
 def _crash_at(
     data: Path,
     run: Path,

@@ -3,6 +3,7 @@ locking, listing, pruning, resuming) and checkpoint averaging (`average`)."""
 
 from aiayn.checkpoints.average import accumulator_dtype, average_checkpoints, list_last
 from aiayn.checkpoints.io import (
+    BEST_NAME,
     FORMAT,
     LAST_NAME,
     LOCK_NAME,
@@ -19,10 +20,12 @@ from aiayn.checkpoints.run_dir import (
     check_run_dir,
     latest_valid_checkpoint,
     list_checkpoints,
+    save_best_checkpoint,
     save_checkpoint,
 )
 
 __all__ = [
+    "BEST_NAME",
     "FORMAT",
     "LAST_NAME",
     "LOCK_NAME",
@@ -37,6 +40,7 @@ __all__ = [
     "load_checkpoint",
     "load_ensemble",
     "load_model",
+    "save_best_checkpoint",
     "save_checkpoint",
     "save_checkpoint_file",
     "sidecar_path",

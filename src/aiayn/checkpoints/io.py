@@ -44,6 +44,8 @@ logger = logging.getLogger(__name__)
 FORMAT = "aiayn-checkpoint-1"
 REQUIRED_KEYS = ("format", "config", "vocab_sha256", "model", "step")
 LAST_NAME = "checkpoint_last.pt"
+#: The best validation's weights (train.best_metric): not numbered, so never pruned
+BEST_NAME = "checkpoint_best.pt"
 LOCK_NAME = "trainer.lock"
 _NUMBERED = re.compile(r"checkpoint_(\d+)\.pt")
 _WRITE_REASONS = {

@@ -16,6 +16,7 @@ import torch
 
 from aiayn.checkpoints.io import (
     _NUMBERED,
+    BEST_NAME,
     LAST_NAME,
     LOCK_NAME,
     CheckpointError,
@@ -169,6 +170,19 @@ def save_checkpoint(run_dir: str | Path, ckpt: dict[str, Any], keep_last: int) -
     digest = _save_file(path, ckpt)
     _link_last(path, digest)
     _prune(run_dir, keep_last, path)
+    return path
+
+
+def save_best_checkpoint(run_dir: str | Path, ckpt: dict[str, Any]) -> Path:
+    """Write `checkpoint_best.pt` atomically, with its manifest, over the previous best.
+
+    Not a numbered checkpoint: keep_last never deletes it, averaging (`list_last`) and
+    resuming (`latest_valid_checkpoint`) never pick it up.
+    Raises:
+        CheckpointError: as save_checkpoint_file; the previous best is then intact.
+    """
+    path = Path(run_dir) / BEST_NAME
+    _save_file(path, ckpt)
     return path
 
 

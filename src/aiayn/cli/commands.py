@@ -26,6 +26,7 @@ CONFIG_FLAGS = (
     ("seed", "train.seed"),
     ("max_tokens", "train.max_tokens"),
     ("update_freq", "train.update_freq"),
+    ("global_batch_tokens", "train.global_batch_tokens"),
     ("dtype", "train.dtype"),
     ("valid_interval_steps", "train.valid_interval_steps"),
 )
@@ -101,7 +102,8 @@ def _progress(total: int, disable: bool) -> tuple[Any, Any]:
         bar.update(0)
 
     def on_valid(step: int, m: dict[str, float]) -> None:
-        bar.write(f"step {step}: valid nll {m['valid_nll']:.4f} ppl {m['valid_ppl']:.2f}")
+        bleu = f" BLEU {m['valid_bleu']:.2f}" if "valid_bleu" in m else ""
+        bar.write(f"step {step}: valid nll {m['valid_nll']:.4f} ppl {m['valid_ppl']:.2f}{bleu}")
 
     return bar, Hooks(on_step, on_valid)
 
@@ -112,6 +114,10 @@ def cmd_data(args: argparse.Namespace) -> int:
 
     if args.dataset == "ptb":
         return _data_ptb(args)
+    if args.dataset == "wmt14":
+        return _data_wmt14(args)
+    if args.pair:
+        raise UsageError("--pair is for wmt14")
     kwargs: dict[str, Any] = {}
     if args.splits:
         kwargs["splits"] = args.splits.split(",")
@@ -121,6 +127,21 @@ def cmd_data(args: argparse.Namespace) -> int:
         Path(args.out), Path(args.from_dir) if args.from_dir else None, **kwargs
     )
     print(f"{len(paths)} files in {args.out}")
+    return 0
+
+
+def _data_wmt14(args: argparse.Namespace) -> int:
+    """`aiayn data wmt14`: the paper's WMT14 pair, verified, as aligned text."""
+    from aiayn.data.wmt14 import download_wmt14
+
+    if args.pair is None:
+        raise UsageError("wmt14 needs --pair en-de or --pair en-fr")
+    if args.splits or args.langs:
+        raise UsageError("--splits and --langs are for multi30k; wmt14 takes --pair")
+    stamp = download_wmt14(args.pair, Path(args.out), args.from_dir)
+    for split, info in stamp["splits"].items():
+        print(f"{split}: {info['lines']} pairs")
+    print(f"WMT14 {args.pair} in {args.out} (sources and counts: {args.out}/wmt14.json)")
     return 0
 
 
@@ -159,6 +180,15 @@ def cmd_prepare(args: argparse.Namespace) -> int:
             "trained on it need its vocabulary: choose another directory, or pass --force "
             "to replace it"
         )
+    streaming_only = ("workers", "spm_sample", "spm_threads")
+    given = [f"--{k.replace('_', '-')}" for k in streaming_only if getattr(args, k) is not None]
+    if given and not args.streaming:
+        raise UsageError(f"{', '.join(given)} need --streaming")
+    kwargs: dict[str, Any] = {}
+    if args.streaming:
+        from aiayn.data.stream_prepare import prepare_streaming as prepare  # type: ignore[assignment]
+
+        kwargs = {k: getattr(args, k) for k in streaming_only if getattr(args, k) is not None}
     manifest = prepare(
         args.source_lang,
         args.target_lang,
@@ -173,6 +203,9 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         on_bad_utf8=args.on_bad_utf8,
         lowercase=args.lowercase,
         split_by_script=args.split_by_script,
+        model_type=args.model_type,
+        seed=args.seed,
+        **kwargs,
     )
     for split, info in manifest.get("splits", {}).items():
         print(f"{split}: {info}")
@@ -374,9 +407,22 @@ def cmd_recipe(args: argparse.Namespace) -> int:
         return {"SIGTERM": 143, "SIGINT": 130}[e.signal_name]
     finally:
         bar.close()
+    if results.get("rank", 0):  # under torchrun: rank 0 reports for the job
+        return 0
     print(format_results(results))
     print(f"results: {Path(args.out) / 'results.json'}")
     return 0
+
+
+def _lengths(text: str) -> tuple[int, int]:
+    """`--lengths LO,HI` as two ints, 1 <= LO <= HI."""
+    try:
+        lo, hi = (int(x) for x in text.split(","))
+    except ValueError:
+        raise UsageError(f"--lengths takes LO,HI (two integers), got {text!r}") from None
+    if not 1 <= lo <= hi:
+        raise UsageError(f"--lengths {text}: need 1 <= LO <= HI")
+    return lo, hi
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -399,6 +445,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 steps=args.steps,
                 batch=args.batch_sentences or 291,
                 compile=args.compile,
+                vocab=args.vocab_size,
+                lengths=_lengths(args.lengths),
             )
         else:
             result = bench.bench_decode(
@@ -412,6 +460,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 batch=args.batch_sentences or 64,
                 peak=True,
                 workers=args.workers,
+                vocab=args.vocab_size,
             )
         if args.json:
             print(json.dumps(result), flush=True)

@@ -204,3 +204,33 @@ def cmd_table3(args: argparse.Namespace) -> int:
     if report.files:
         print("wrote " + ", ".join(str(f) for f in report.files))
     return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    """`aiayn plot`: the curves of train_log.jsonl (one run or several) as a PNG."""
+    from aiayn.experiments.curves import plot_runs, run_labels
+
+    metrics = tuple(m.strip() for m in args.metrics.split(",") if m.strip())
+    out = Path(args.out) if args.out else Path(args.runs[0]) / "curves.png"
+    if out.suffix.lower() != ".png":
+        raise UsageError(f"--out {out}: give a .png file")
+    if out.is_dir():
+        raise UsageError(f"--out {out} is a directory; give a .png file")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UsageError(
+            "aiayn plot needs matplotlib, which is not installed: pip install 'aiayn[plot]'"
+        ) from None
+    try:
+        drawn = plot_runs(run_labels(args.runs), out, metrics)
+    except ValueError as e:
+        if "unknown metric" in str(e):
+            raise UsageError(f"--metrics: {e}") from None
+        raise
+    for metric, counts in drawn.items():
+        missing = [label for label, n in counts.items() if not n]
+        if missing:
+            print(f"no {metric} in the log of {', '.join(missing)}")
+    print(f"wrote {out}")
+    return 0

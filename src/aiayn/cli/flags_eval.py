@@ -271,11 +271,20 @@ RUN ends with checkpoint_avg.pt, the test translation (or trees), curve.png and
 results.json (scores with signatures, data and vocabulary hashes, resolved config,
 versions, machine, wall times, FLOPs). Rerunning the same command resumes.
 
+WMT14 (configs/wmt14-*.toml, Table 2 at full scale) downloads ~1.7 GB (En-De) or ~6.6 GB
+(En-Fr) of archives checked against published hashes (--data: a local mirror of them, or
+an `aiayn data wmt14 --out` directory), prepares them in bounded memory (4.5M pairs: ~16
+minutes on 2 CPU cores) and trains under torchrun: rank 0 prepares while the others wait,
+every rank trains, rank 0 averages, decodes and scores. The run directory must be on a
+filesystem every node sees. Times and costs on 8 GPUs: docs/scaling.md.
+
 examples:
   aiayn recipe configs/multi30k-en-de.toml --out runs/en-de
   aiayn recipe configs/multi30k-en-de.toml --out runs/smoke \\
       --data ../shared/data/multi30k --max-minutes 2 \\
-      --set recipe.max_train_pairs=300""",
+      --set recipe.max_train_pairs=300
+  torchrun --nproc-per-node=8 --max-restarts=3 -m aiayn recipe \\
+      configs/wmt14-en-de-base.toml --out /shared/runs/base --device cuda""",
     )
     p.add_argument(
         "config", metavar="FILE.toml", help="experiment file, e.g. configs/multi30k-en-de.toml"
@@ -284,7 +293,8 @@ examples:
     p.add_argument(
         "--data",
         metavar="PATH",
-        help="local copy of the corpus: a directory, or for parsing a treebank zip or folder "
+        help="local copy of the corpus: a directory (Multi30k's files; for WMT14 its archives "
+        "or `aiayn data wmt14`'s text), or for parsing a treebank zip or folder "
         "(default: download it)",
     )
     p.add_argument(
@@ -328,7 +338,9 @@ examples:
     p.add_argument(
         "--dtype",
         default="bf16",
-        help="fp32, bf16 (decode and peak also int8); a comma-separated list runs each",
+        help="fp32, bf16 (decode and peak also int8; train and peak also fp16, trained "
+        "with dynamic loss scaling, the scale reached printed as loss_scale); a "
+        "comma-separated list runs each (default: bf16)",
     )
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ...")
     p.add_argument("--steps", type=int, default=10, help="train: timed steps (median)")
@@ -356,6 +368,21 @@ examples:
         default=1,
         metavar="N",
         help="decode: batches in this many processes of one thread each (CPU)",
+    )
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=10_000,
+        metavar="V",
+        help="train and decode: the random model's vocabulary (WMT14 En-De: 37000) "
+        "(default: 10000)",
+    )
+    p.add_argument(
+        "--lengths",
+        default="12,16",
+        metavar="LO,HI",
+        help="train: sentence lengths in subwords, uniform in [LO, HI] on both sides "
+        "(Multi30k-like by default; WMT14-like: 20,34, mean 27) (default: 12,16)",
     )
     p.add_argument("--json", action="store_true", help="one JSON object per measurement")
     return p

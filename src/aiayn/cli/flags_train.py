@@ -11,7 +11,7 @@ def add_data(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argpar
     p = command_parser(
         sub,
         "data",
-        "copy or download a corpus, each file checked by sha256",
+        "copy or download a corpus, each file checked against a pinned hash",
         """\
 multi30k: the raw text files of Multi30k task 1 (translation), each checked against a
 pinned sha256. ptb: a Penn Treebank made ready for parsing (section 6.3): for each split
@@ -21,6 +21,14 @@ parser's input) and SPLIT.lin (the linearized tree, its output), plus manifest.j
 --from takes the NLTK sample's treebank.zip (or that zip unpacked: split by file,
 0001-0159 / 0160-0179 / 0180-0199) or the LDC release's folder holding wsj/SS/*.mrg
 (sections 02-21 / 22 / 23); without --from the NLTK sample is downloaded and verified.
+wmt14: the paper's WMT 2014 data (section 5.1) as aligned plain text, --pair en-de
+(Europarl v7 + Common Crawl + News Commentary v9: ~4.5M pairs; ~1.7 GB to download,
+~3 GB of disk in all) or en-fr (those + UN + Giga-fren: ~40.8M pairs before cleaning;
+~6.6 GB to download, ~20 GB of disk): OUT/train.{en,XX}, valid.* (newstest2013, 3000
+pairs), test.* (newstest2014 full, 3003: sacreBLEU's wmt14/full), wmt14.json (what
+came from where, hashes, counts) and OUT/downloads/ (the archives: delete them after).
+Each archive is checked against a hash published by tensorflow_datasets or sacreBLEU;
+an interrupted download continues on the next run; a run that finished is not redone.
 
 examples:
   aiayn data multi30k --out data/multi30k
@@ -28,12 +36,15 @@ examples:
   aiayn data multi30k --out data/multi30k --splits train,val,test_2016_flickr \\
       --langs en,de
   aiayn data ptb --from ../shared/data/ptb-sample/treebank.zip --out data/ptb
-  aiayn data ptb --from /corpora/LDC99T42/parsed/mrg --out data/wsj""",
+  aiayn data ptb --from /corpora/LDC99T42/parsed/mrg --out data/wsj
+  aiayn data wmt14 --pair en-de --out data/wmt14-en-de
+  aiayn data wmt14 --pair en-fr --from /mirror/statmt --out data/wmt14-en-fr""",
     )
     p.add_argument(
         "dataset",
-        choices=["multi30k", "ptb"],
-        help="the corpus: multi30k (task 1) or ptb (a Penn Treebank, for parsing)",
+        choices=["multi30k", "ptb", "wmt14"],
+        help="the corpus: multi30k (task 1), ptb (a Penn Treebank, for parsing) or wmt14 "
+        "(the paper's En-De / En-Fr data)",
     )
     p.add_argument(
         "--out",
@@ -46,8 +57,10 @@ examples:
         dest="from_dir",
         metavar="PATH",
         help="multi30k: copy from this local directory instead of downloading; files "
-        "missing there are skipped with a warning. ptb: the treebank, a zip or a folder "
-        "(default: download; for ptb, NLTK's sample)",
+        "missing there are skipped with a warning. ptb: the treebank, a zip or a folder. "
+        "wmt14: a mirror directory holding the archives under their published names "
+        "(training-parallel-europarl-v7.tgz, ..., test-full.tgz), read there and verified, "
+        "not copied (default: download; for ptb, NLTK's sample)",
     )
     p.add_argument(
         "--split",
@@ -65,6 +78,12 @@ examples:
         "--langs",
         help="multi30k: comma-separated languages, e.g. en,de (default: all published "
         "for each split)",
+    )
+    p.add_argument(
+        "--pair",
+        choices=["en-de", "en-fr"],
+        help="wmt14 (required there): the language pair, en-de or en-fr (no default); "
+        "the outputs are SPLIT.en and SPLIT.de or SPLIT.fr",
     )
     return p
 
@@ -87,7 +106,13 @@ examples:
       --out data/multi30k-en-de --vocab-size 8000
   aiayn prepare -s en -t de --trainpref corpus/train --out data/lc --lowercase
   aiayn prepare -s words -t linw --trainpref data/ptb/train --validpref data/ptb/dev \\
-      --out data/ptb-prepared --vocab-size 4000 --max-len 512 --no-split-by-script""",
+      --out data/ptb-prepared --vocab-size 4000 --max-len 512 --no-split-by-script
+  aiayn prepare --streaming -s en -t de --trainpref data/wmt14-en-de/train \\
+      --validpref data/wmt14-en-de/valid --testpref data/wmt14-en-de/test \\
+      --out data/wmt14-en-de-prepared --vocab-size 37000
+  aiayn prepare --streaming -s en -t fr --trainpref data/wmt14-en-fr/train \\
+      --validpref data/wmt14-en-fr/valid --testpref data/wmt14-en-fr/test \\
+      --out data/wmt14-en-fr-prepared --vocab-size 32000 --model-type unigram""",
     )
     p.add_argument(
         "--source-lang",
@@ -164,6 +189,56 @@ examples:
         action="store_false",
         help="let a subword span a bracket and letters, so that each token of a "
         "linearized tree, like (NP or )VP, is one piece (parsing needs it)",
+    )
+    p.add_argument(
+        "--model-type",
+        choices=["bpe", "unigram"],
+        default="bpe",
+        help="the subword model: bpe (the paper's En-De: 37K shared BPE) or unigram "
+        "(sentencepiece's unigram LM, a word-piece-like vocabulary as for the paper's "
+        "En-Fr; its trainer needs ~7x BPE's memory and ~15x its time) (default: bpe)",
+    )
+    g = p.add_argument_group(
+        "streaming (WMT-sized corpora)",
+        "--streaming reads the text line by line in one pass per stage, learns the "
+        "vocabulary from a sample and encodes in --workers processes into memory-mapped "
+        "arrays (SPLIT.*.npy, manifest format 2) that training reads without loading them: "
+        "memory stays bounded (~1.5 GB with the defaults) whatever the corpus. Same "
+        "cleaning and filters as without it. Not automatic: without --streaming, a "
+        "training text over 1 GB is prepared in memory after a warning.",
+    )
+    g.add_argument(
+        "--streaming",
+        action="store_true",
+        help="prepare in bounded memory into memory-mapped arrays (default: off, "
+        "in-memory train.pt)",
+    )
+    g.add_argument(
+        "--workers",
+        type=int,
+        metavar="N",
+        help="--streaming: encoding processes, 0 for this process alone (default: the "
+        "number of CPUs)",
+    )
+    g.add_argument(
+        "--spm-sample",
+        type=int,
+        metavar="N",
+        help="--streaming: sentences (both languages) the vocabulary is learned from, "
+        "drawn uniformly from the training pairs with --seed; the corpus is used whole "
+        "when smaller (default: 2000000 for bpe, ~1 GB; 500000 for unigram, ~2 GB)",
+    )
+    g.add_argument(
+        "--spm-threads",
+        type=int,
+        metavar="N",
+        help="--streaming: sentencepiece trainer threads (default: the number of CPUs)",
+    )
+    g.add_argument(
+        "--seed",
+        type=int,
+        default=1,
+        help="seeds sentencepiece and --streaming's sample of sentences (default: 1)",
     )
     return p
 
@@ -251,22 +326,40 @@ examples:
         "--max-tokens",
         type=int,
         metavar="TOKENS",
-        help="batch size in subword tokens per side (source and target each), "
-        "before accumulation " + from_preset("train.max_tokens"),
+        help="batch size in subword tokens per side (source and target each) of one "
+        "process, before accumulation; with --global-batch-tokens, the most one process "
+        "takes in a batch (its memory) " + from_preset("train.max_tokens"),
     )
     p.add_argument(
         "--update-freq",
         type=int,
         metavar="N",
         help="gradient accumulation: batches per optimizer update (effective batch: "
-        "max-tokens x N x processes) " + from_preset("train.update_freq"),
+        "max-tokens x N x processes; with --global-batch-tokens, the least "
+        "accumulation) " + from_preset("train.update_freq"),
+    )
+    p.add_argument(
+        "--global-batch-tokens",
+        type=int,
+        metavar="TOKENS",
+        help="the step's batch in subword tokens per side over all processes and "
+        "accumulation (the paper: 25000), the same under torchrun on any number of "
+        "ranks: each global batch is split into ranks x accumulation slices, "
+        "accumulation = max(update-freq, ceil(TOKENS / (ranks x max-tokens))), so "
+        "max-tokens caps one rank's batch; a resume on another number of ranks keeps "
+        "the batch and the data position exactly; 0: off, max-tokens is per rank "
+        + from_preset("train.global_batch_tokens"),
     )
     p.add_argument(
         "--dtype",
-        choices=["fp32", "bf16"],
-        help="training precision; bf16 pays only on GPUs and CPUs that multiply "
-        "bf16 natively (AMX, AVX-512 BF16), elsewhere training says so at the "
-        "start: use fp32 " + from_preset("train.dtype"),
+        choices=["fp32", "bf16", "fp16", "auto"],
+        help="training precision (the master weights and Adam stay fp32); bf16 pays "
+        "only on GPUs and CPUs that multiply bf16 natively (AMX, AVX-512 BF16), "
+        "elsewhere training says so at the start: use fp32; fp16 (for GPUs without "
+        "bf16: P100, V100, T4) scales the loss dynamically (PyTorch's GradScaler: "
+        "2^16 at the start, halved and the step skipped on an overflow, doubled after "
+        "2000 clean steps), and is very slow on CPUs; auto: bf16 on a GPU that has "
+        "it, fp16 on one that does not, fp32 on the CPU " + from_preset("train.dtype"),
     )
     p.add_argument(
         "--device",

@@ -16,6 +16,7 @@ from aiayn.cli import (
     flags_analysis,
     flags_deploy,
     flags_eval,
+    flags_plot,
     flags_table3,
     flags_train,
 )
@@ -136,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
         (flags_analysis.add_table1, commands_analysis.cmd_table1),
         (flags_analysis.add_attention, commands_analysis.cmd_attention),
         (flags_table3.add_table3, commands_analysis.cmd_table3),
+        (flags_plot.add_plot, commands_analysis.cmd_plot),
         (flags_deploy.add_export, commands.cmd_export),
         (flags_deploy.add_serve, commands.cmd_serve),
         (flags_eval.add_info, commands.cmd_info),

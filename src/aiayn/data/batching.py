@@ -99,7 +99,17 @@ def pad_right(seqs: list[list[int]], pad_id: int = PAD_ID) -> torch.Tensor:
 
 
 def collate(corpus: PairSource, indices: list[int]) -> Batch:
-    """Build the padded batch of the given corpus pairs, in the given order."""
+    """Build the padded batch of the given corpus pairs, in the given order.
+
+    No indices give the null batch: a source of one EOS, a decoder input of one BOS and a
+    target of one PAD, with no ids. Its loss and gradient are exactly zero (padding is
+    never predicted) and it counts no target tokens, yet a forward and backward pass over
+    it lets a rank whose slice of a global batch is empty take part in the step's
+    gradient all-reduce (`split_global_batch`).
+    """
+    if not indices:
+        one = torch.ones(1, 1, dtype=torch.long)
+        return Batch(EOS_ID * one, BOS_ID * one, PAD_ID * one, torch.zeros(0, dtype=torch.long))
     src = [corpus.src(i) + [EOS_ID] for i in indices]
     tgt = [corpus.tgt(i) for i in indices]
     return Batch(
@@ -154,6 +164,27 @@ def _shard(batches: list[list[int]], rank: int, world_size: int) -> list[list[in
         )
         batches = batches + [batches[i % len(batches)] for i in range(extra)]
     return batches[rank::world_size]
+
+
+def split_global_batch(indices: list[int], parts: int) -> list[list[int]]:
+    """Cut one global batch (`train.global_batch_tokens`) into `parts` = ranks x
+    accumulation slices: contiguous runs of its length-sorted pairs, their sizes differing
+    by at most one, the larger first; with fewer pairs than parts the last slices are
+    empty (each a null batch for `collate`). Rank r takes slices r, r + W, r + 2W, ...:
+    every rank gets a pair before any gets a second.
+
+    Contiguous runs of a length-sorted batch keep each slice's padding as low as the
+    whole batch's, so each slice costs about global / parts padded tokens.
+    """
+    if parts < 1:
+        raise ValueError(f"parts must be >= 1, got {parts}")
+    size, extra = divmod(len(indices), parts)
+    out, start = [], 0
+    for j in range(parts):
+        end = start + size + (1 if j < extra else 0)
+        out.append(indices[start:end])
+        start = end
+    return out
 
 
 def token_batches(

@@ -28,8 +28,16 @@ from aiayn.fast.flops import forward_flops, matmul_peak, peak_size, training_flo
 from aiayn.model import Transformer
 
 #: The products' type per mode: int8 decoding's ceiling is the int8 product rate.
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
-TRAIN_DTYPES = ("fp32", "bf16")
+DTYPES = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "int8": torch.int8,
+}
+#: fp16 trains with dynamic loss scaling (`aiayn.training.precision.make_scaler`), as
+#: `train.dtype = "fp16"` does.
+TRAIN_DTYPES = ("fp32", "bf16", "fp16")
+DECODE_DTYPES = ("fp32", "bf16", "int8")
 FIRST_TOKEN = 4  # ids below are PAD, UNK, BOS, EOS
 
 
@@ -69,8 +77,8 @@ def _sync(device: torch.device) -> None:
 
 
 def bench_peak(dtype: str = "bf16", device: str = "cpu", n: int | None = None) -> dict[str, Any]:
-    """The matrix-product ceiling in FLOP/s."""
-    n = n or peak_size(device)
+    """The matrix-product ceiling in FLOP/s (fp16 on a CPU: n = 512, see bench_train)."""
+    n = n or (512 if dtype == "fp16" and torch.device(device).type == "cpu" else peak_size(device))
     flops = matmul_peak(DTYPES[dtype], n=n, device=device)
     return {"bench": "peak", "dtype": dtype, "device": device, "n": n, "tflops": flops / 1e12}
 
@@ -83,10 +91,17 @@ def train_step(
     vocab: int = 10_000,
     batch: int = 291,
     compile: bool = False,
+    scaler: torch.amp.GradScaler | None = None,
+    lengths: tuple[int, int] = (12, 16),
 ) -> tuple[Any, Transformer, Tensor, Tensor]:
     """The benchmark's training step as a closure, for `bench_train` and for profiling:
-    (step, model, src, tgt). Each call of step() is forward, loss, backward and Adam."""
+    (step, model, src, tgt). Each call of step() is forward, loss, backward and Adam.
+
+    fp16 runs as the trainer runs it: the loss scaled by a GradScaler (`scaler`, or a
+    fresh one with PyTorch's defaults), the gradients unscaled, Adam skipped on an
+    overflow and the scale updated; pass `scaler` to read its scale afterwards."""
     from aiayn.training.loss import generator_loss
+    from aiayn.training.precision import autocast, make_scaler
     from aiayn.training.trainer import make_optimizer
 
     cfg = get_preset(preset)
@@ -95,18 +110,22 @@ def train_step(
     if compile:
         model.compile()
     opt = make_optimizer(model, cfg.train)
-    src = random_batch(batch, vocab, seed=1).to(dev)
-    tgt = random_batch(batch, vocab, seed=2).to(dev)  # ends in EOS: tgt_out
+    lo, hi = lengths
+    src = random_batch(batch, vocab, lo, hi, seed=1).to(dev)
+    tgt = random_batch(batch, vocab, lo, hi, seed=2).to(dev)  # ends in EOS: tgt_out
     tgt_in = torch.cat([torch.full_like(tgt[:, :1], BOS_ID), tgt[:, :-1]], dim=1)  # shift
     tgt_in = tgt_in.masked_fill(tgt_in == EOS_ID, PAD_ID)
     n_tokens = int((src != PAD_ID).sum() + (tgt != PAD_ID).sum())
 
+    scaler = scaler if scaler is not None else make_scaler(dtype, dev)
+
     def step() -> None:
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dtype == "bf16"):
+        with autocast(dev, dtype):
             features = model(src, tgt_in, features_only=True)
             loss, _ = generator_loss(features, model.generator.weight, tgt, cfg.train.eps_ls)
-        (loss / n_tokens).backward()
-        opt.step()
+        scaler.scale(loss / n_tokens).backward()
+        scaler.step(opt)  # with the scaler disabled (fp32, bf16): opt.step()
+        scaler.update()
         opt.zero_grad(set_to_none=True)
 
     return step, model, src, tgt
@@ -123,8 +142,13 @@ def bench_train(
     batch: int = 291,
     peak: bool = True,
     compile: bool = False,
+    lengths: tuple[int, int] = (12, 16),
 ) -> dict[str, Any]:
     """Training tokens/s (source + target non-pad tokens) of one preset; see module doc.
+
+    lengths: the sentences' lengths in subwords, uniform in [lo, hi] (without EOS): the
+    default is Multi30k's; WMT14's are ~27 on average (e.g. (20, 34)), with its 37K
+    vocabulary (`vocab`).
 
     compile: run the model's forward through torch.compile, with PyTorch's default shape
     handling (the bench's shapes are fixed; `train.compile` asks for dynamic shapes, as
@@ -140,9 +164,22 @@ def bench_train(
     # The ceiling is measured first: measured after the training steps, in the same
     # process, it came out several times lower on the CPU (cause not established;
     # docs/performance.md, "Reproduce").
-    p = matmul_peak(DTYPES[dtype], device=device) if peak else None
+    # float16 products on a CPU without AVX-512 FP16 run PyTorch's generic kernel (0.2-2
+    # GFLOP/s on the 2-core EPYC, fp32 ~66: twelve 2048^3 products took minutes): 512^3
+    small = dtype == "fp16" and dev.type == "cpu"
+    p = matmul_peak(DTYPES[dtype], n=512 if small else None, device=device) if peak else None
+    from aiayn.training.precision import make_scaler
+
+    scaler = make_scaler(dtype, dev)
     step, model, src, tgt = train_step(
-        preset, dtype, device, vocab=vocab, batch=batch, compile=compile
+        preset,
+        dtype,
+        device,
+        vocab=vocab,
+        batch=batch,
+        compile=compile,
+        scaler=scaler,
+        lengths=lengths,
     )
     n_tokens = int((src != PAD_ID).sum() + (tgt != PAD_ID).sum())
     t0 = time.perf_counter()
@@ -169,6 +206,8 @@ def bench_train(
         "dtype": dtype,
         "device": device,
         "batch_sentences": batch,
+        "lengths": list(lengths),
+        "vocab": vocab,
         "tokens": n_tokens,
         "seconds_per_step": t,
         "tokens_per_s": n_tokens / t,
@@ -180,6 +219,10 @@ def bench_train(
     }
     if p is not None:
         result.update(peak_tflops=p / 1e12, peak_fraction=flops / t / p)
+    if scaler.is_enabled():
+        # an overflow skips Adam, so a timed step that overflowed was cheaper: the scale
+        # at the end says whether any did (2^16 halves once per overflow)
+        result["loss_scale"] = scaler.get_scale()
     return result
 
 
@@ -223,8 +266,8 @@ def bench_decode(
     check_workers(workers, device)
     cfg = get_preset(preset)
     dev = torch.device(device)
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if dtype not in DECODE_DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DECODE_DTYPES)}, got {dtype!r}")
     p = matmul_peak(DTYPES[dtype], device=device) if peak else None
     model = random_model(preset, vocab).to(dev).eval()
     model = cast_for_inference(model, dtype)

@@ -400,7 +400,18 @@ def select_rows(exp: Table3Experiment, wanted: Sequence[str] | None) -> list[Row
 ROW_FILE = "table3_row.json"
 #: Training settings that change nothing a finished row measured.
 _INERT_TRAIN_KEYS = frozenset(
-    {"log_interval_steps", "valid_interval_steps", "preflight", "keep_last"}
+    {
+        "log_interval_steps",
+        "valid_interval_steps",
+        "preflight",
+        "keep_last",
+        # watching the run (aiayn.training.watch): logs and files, not the weights
+        "valid_bleu_interval_steps",
+        "valid_bleu_sentences",
+        "valid_bleu_beam",
+        "best_metric",
+        "tensorboard",
+    }
 )
 
 

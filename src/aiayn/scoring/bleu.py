@@ -110,6 +110,24 @@ def score(hyps: list[str], refs: list[str], target_lang: str, *, bootstrap: int 
     )
 
 
+def sacrebleu_only(hyps: list[str], refs: list[str]) -> tuple[float, str]:
+    """sacreBLEU alone (defaults, as `score`), and its signature: the trainer's valid BLEU,
+    every N steps, where tok-BLEU's Moses tokenizing and chrF would be wasted work.
+
+    Hypotheses decoded by the run's own vocabulary hold no subword markers, so they are
+    not searched for them; lines are right-stripped as in `score` (H3).
+    Raises:
+        ValueError: the line counts differ, or there are no lines.
+    """
+    if len(hyps) != len(refs):
+        raise ValueError(f"line counts differ: {len(hyps)} hypotheses, {len(refs)} references")
+    if not hyps:
+        raise ValueError("nothing to score: no hypotheses")
+    bleu = BLEU()
+    result = bleu.corpus_score([h.rstrip() for h in hyps], [[r.rstrip() for r in refs]])
+    return result.score, bleu.get_signature().format()
+
+
 def score_files(
     hyp_path: str | Path,
     ref_path: str | Path,

@@ -30,6 +30,7 @@ from aiayn.data.corpus import Corpus
 from aiayn.fast.layers import FastTransformer
 from aiayn.training.distributed import DistContext
 from aiayn.training.epochs import epoch_order
+from aiayn.training.precision import MIN_LOSS_SCALE
 from aiayn.training.state import StepHook, TrainingError, TrainState
 from aiayn.training.validation import autocast
 
@@ -89,7 +90,11 @@ def largest_batches(
     """
     s = (src_lens + 1).tolist()
     t = (tgt_lens + 1).tolist()
-    shapes = [(len(b), max(s[i] for i in b), max(t[i] for i in b)) for b in order]
+    # an empty batch (a null slice of a global batch) measures 0
+    shapes = [
+        (len(b), max((s[i] for i in b), default=0), max((t[i] for i in b), default=0))
+        for b in order
+    ]
     measures = (
         lambda b, S, T: b * (S + T),
         lambda b, S, T: b * (S * S + T * T + S * T),
@@ -246,6 +251,37 @@ class TrainerGuards:
         )
         if loop.consecutive_bad >= MAX_CONSECUTIVE_NONFINITE:
             raise self._crash(loop.consecutive_bad)
+
+    def _after_overflow(self, step: int, loss_scale: float, new_scale: float) -> None:
+        """fp16: the loss scaler found inf/NaN gradients at `loss_scale` and skipped step
+        `step` (Adam did not run), halving the scale to `new_scale`. That is how dynamic
+        loss scaling finds its scale, not a divergence: logged, not counted among the
+        non-finite updates (C1/C2), no rollback (C4). Overflows that drive the scale below
+        MIN_LOSS_SCALE are gradients non-finite at any scale: stop."""
+        log.info(
+            "fp16 overflow at step %d (loss scale %g): update skipped, scale now %g (%d so far)",
+            step,
+            loss_scale,
+            new_scale,
+            self.state.overflow_skipped,
+        )
+        self._log(
+            {
+                "step": step,
+                "event": "overflow_skipped",
+                "loss_scale": loss_scale,
+                "new_loss_scale": new_scale,
+                "count": self.state.overflow_skipped,
+            }
+        )
+        if new_scale < MIN_LOSS_SCALE:
+            raise TrainingError(
+                f"fp16 loss scale fell to {new_scale:g} (below {MIN_LOSS_SCALE:g}) at step "
+                f"{step}: the gradients overflow at every scale, so the loss diverged "
+                "(or a weight or batch holds inf/NaN); the checkpoints are untouched. "
+                "Resume with a lower learning rate (train.lr_scale), or train in bf16 "
+                "or fp32 (--dtype)"
+            )
 
     def _rolled_back(self, loop: LoopState, loss: float) -> bool:
         """C4: with train.divergence on, add step's loss to the window; if the loss

@@ -20,6 +20,9 @@ from aiayn.training.resume import check_resume_compatible, reshard
 from aiayn.training.state import StepHook, TrainingError, TrainState
 
 log = logging.getLogger(__name__)
+#: The checkpoint's fp16 loss-scaler state (`torch.amp.GradScaler.state_dict()`): scale,
+#: growth tracker and the scaler's settings; only fp16 runs write it.
+SCALER_KEY = "grad_scaler"
 
 
 class TrainerPersistence:
@@ -33,6 +36,8 @@ class TrainerPersistence:
     device: torch.device
     model: FastTransformer
     optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    _pending_log: list[dict[str, Any]]
     state: TrainState
     step_hook: StepHook
     tokenizer: Tokenizer
@@ -69,6 +74,7 @@ class TrainerPersistence:
         self.model.load_state_dict(saved["model"])
         if not reset_optimizer:
             self.optimizer.load_state_dict(saved["optimizer"])
+            self._load_scaler(saved, path)
         self.state = TrainState(**saved["train_state"])
         if reset_dataloader:
             self.state.epoch, self.state.batch_in_epoch = self.state.epoch + 1, 0
@@ -99,8 +105,34 @@ class TrainerPersistence:
                 len(older) + 1,
             )
 
+    def _load_scaler(self, saved: dict[str, Any], path: Path) -> None:
+        """The fp16 loss scaler's scale and growth tracker as `path` left them (a resumed
+        run repeats the uninterrupted one bit for bit); a checkpoint without them (written
+        before fp16 existed, or by an fp32/bf16 run) leaves a fresh scaler, and says so."""
+        if not self.scaler.is_enabled():
+            return
+        state = saved.get(SCALER_KEY)
+        if state:
+            self.scaler.load_state_dict(state)
+            return
+        log.info(
+            "%s holds no loss-scaler state (an older checkpoint, or one trained in fp32 or "
+            "bf16): fp16 resumes with a fresh scaler (scale %g)",
+            path,
+            self.scaler.get_scale(),
+        )
+        self._pending_log.append(  # train_log.jsonl, as the first update starts
+            {
+                "event": "fresh_loss_scaler",
+                "checkpoint": str(path),
+                "loss_scale": self.scaler.get_scale(),
+            }
+        )
+
     def checkpoint_dict(self) -> dict[str, Any]:
         tok = self.tokenizer.to_bytes()
+        # fp16 only: a disabled scaler's state is empty; averaging and decoding ignore it
+        scaler = {SCALER_KEY: self.scaler.state_dict()} if self.scaler.is_enabled() else {}
         return {
             "format": "aiayn-checkpoint-1",
             "config": self.cfg.to_dict(),
@@ -113,6 +145,7 @@ class TrainerPersistence:
             "epoch": self.state.epoch,
             "train_state": self.state.to_dict(),
             "rng": {"torch": torch.get_rng_state()},
+            **scaler,
         }
 
     def save(self) -> Path | None:
@@ -166,11 +199,21 @@ class TrainerPersistence:
         keep = self.state
         self.model.load_state_dict(saved["model"])
         self.optimizer.load_state_dict(saved["optimizer"])
+        self._load_scaler(saved, path)
         self.state = TrainState(**saved["train_state"])
         reshard(
             self.state, self.dist.world_size
         )  # the checkpoint may come from a run on another number of ranks
-        for name in ("nonfinite_skipped", "oom_skipped", "train_seconds"):
+        for name in (
+            "nonfinite_skipped",
+            "oom_skipped",
+            "overflow_skipped",
+            "train_seconds",
+            # checkpoint_best.pt stays on disk: only a better validation may replace it
+            "best_checkpoint_step",
+            "best_checkpoint_metric",
+            "best_checkpoint_value",
+        ):
             setattr(self.state, name, getattr(keep, name))
         self.state.rollbacks = keep.rollbacks + 1
         self.state.lr_factor = keep.lr_factor * t.divergence_lr_factor

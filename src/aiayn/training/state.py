@@ -25,11 +25,20 @@ class TrainState:
     batch_in_epoch: int = 0  # batches of this epoch already consumed
     nonfinite_skipped: int = 0
     oom_skipped: int = 0
+    overflow_skipped: int = 0  # fp16 steps skipped by the loss scaler (inf/NaN gradients)
     rollbacks: int = 0
     lr_factor: float = 1.0  # halved (divergence_lr_factor) by each divergence rollback
     best_valid_nll: float = math.inf
     valid_without_improvement: int = 0  # early-stopping patience counter
+    # checkpoint_best.pt (train.best_metric): its step, the metric that chose it
+    # ("valid_bleu" or "valid_ppl"; "" = none yet) and its value, the one a resume must beat
+    best_checkpoint_step: int = 0
+    best_checkpoint_metric: str = ""
+    best_checkpoint_value: float = 0.0
     world_size: int = 1  # batch_in_epoch counts this many ranks' batches at a time
+    # batch_in_epoch counts global batches (train.global_batch_tokens), the same on any
+    # number of ranks, rather than each rank's batches
+    global_batches: bool = False
     train_seconds: float = 0.0
     tokens_seen: int = 0
     flops: float = 0.0  # counted from the model's shapes (aiayn.fast.flops), padding included

@@ -26,14 +26,14 @@ from aiayn import checkpoints as ckpt_lib
 from aiayn.config import ONEDNN_PRIMITIVE_CACHE_CAPACITY, Config
 from aiayn.data.batching import Batch, Prefetch
 from aiayn.data.bpe_dropout import BPEDropout
-from aiayn.data.corpus import Corpus, load_corpus, load_manifest
+from aiayn.data.corpus import Corpus, has_split, load_corpus, load_manifest, split_sha256
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.fast import accelerate
 from aiayn.fast.flops import slow_bf16_warning, training_flops
-from aiayn.files import sha256_file, write_text_atomic
+from aiayn.files import write_text_atomic
 from aiayn.model import Transformer, count_parameters
 from aiayn.training.distributed import init_from_env, shutdown
-from aiayn.training.epochs import batches_from
+from aiayn.training.epochs import batch_plan, batches_from
 from aiayn.training.faults import Faults
 from aiayn.training.guards import (
     LoopState,
@@ -44,9 +44,20 @@ from aiayn.training.guards import (
 )
 from aiayn.training.loss import generator_loss, rdrop_loss
 from aiayn.training.persistence import TrainerPersistence
+from aiayn.training.precision import make_scaler, resolve_dtype
 from aiayn.training.schedule import learning_rate, make_optimizer
 from aiayn.training.state import Hooks, StepHook, TrainingError, TrainResult, TrainState
 from aiayn.training.validation import autocast, validate
+from aiayn.training.watch import (
+    TB_DIR,
+    BleuSubset,
+    Board,
+    best_metric_name,
+    bleu_due,
+    bleu_subset,
+    is_better,
+    valid_bleu,
+)
 
 __all__ = [
     "Hooks",
@@ -102,9 +113,9 @@ class Trainer(TrainerPersistence, TrainerGuards):
             else None
         )
         self._both_directions: Corpus | None = None
-        valid_path = self.data_dir / "valid.pt"
-        self.valid_data = load_corpus(self.data_dir, "valid") if valid_path.exists() else None
-        self.data_sha256 = sha256_file(self.data_dir / "train.pt")
+        has_valid = has_split(self.data_dir, "valid")
+        self.valid_data = load_corpus(self.data_dir, "valid") if has_valid else None
+        self.data_sha256 = split_sha256(self.data_dir, "train")
         # Rank 0 owns the directory: it takes the lock before touching anything in it
         # (resuming removes stale temp files, which must never be another trainer's).
         self._lock: ckpt_lib.RunLock | None = None
@@ -132,7 +143,15 @@ class Trainer(TrainerPersistence, TrainerGuards):
                 self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None
             )
         self.optimizer = make_optimizer(self.model, self.cfg.train)
-        self.state = TrainState(world_size=self.dist.world_size)
+        #: fp16's dynamic loss scaling (disabled, a no-op, otherwise); `_resume` restores it
+        self.scaler = make_scaler(self.cfg.train.dtype, self.device)
+        #: train_log.jsonl records made before the loop (precision, a fresh scaler on
+        #: resume), written as the first update starts
+        self._pending_log: list[dict[str, Any]] = []
+        self._log_precision()
+        #: how a step's batch is divided over the ranks and accumulation (epochs.batch_plan)
+        self.plan = batch_plan(self.cfg.train, self.dist.world_size)
+        self.state = TrainState(world_size=self.dist.world_size, global_batches=self.plan.fixed)
         self.resumed_from: Path | None = None
         #: callbacks inside each step: fault injection when AIAYN_FAULTS is set
         self.step_hook: StepHook = Faults.from_env(self.dist.rank)
@@ -143,9 +162,22 @@ class Trainer(TrainerPersistence, TrainerGuards):
         self._oom_batches: set[tuple[int, int]] = set()
         self._last_batches: list[Batch] = []
         self._resume(reset_optimizer, reset_dataloader)
+        #: TensorBoard event files (rank 0) and the valid-BLEU pairs (aiayn.training.watch)
+        self.board = Board(
+            self.run_dir / TB_DIR,
+            self.cfg.train.tensorboard and self.dist.is_main,
+            purge_step=self.state.step + 1 if self.resumed_from is not None else None,
+        )
+        self._bleu_subset: BleuSubset | None = None
+        # the unit of batch_in_epoch: as saved (check_resume_compatible refuses a change of
+        # train.global_batch_tokens) or, after --reset-dataloader, at the new epoch's start
+        self.state.global_batches = self.plan.fixed
 
     def close(self) -> None:
         """Release the run directory (run() does this when it ends)."""
+        board = getattr(self, "board", None)  # None when __init__ failed before it
+        if board is not None:
+            board.close()
         if self._lock is not None:
             self._lock.__exit__(None, None, None)
             self._lock = None
@@ -197,15 +229,50 @@ class Trainer(TrainerPersistence, TrainerGuards):
             self._both_directions = corpus.both_directions()
         return self._both_directions
 
+    def _log_precision(self) -> None:
+        """Say what train.dtype means here: what "auto" chose and why; for fp16, the
+        loss scaling (and, on the CPU, that it is slow)."""
+        t = self.cfg.train
+        dtype = resolve_dtype(t.dtype, self.device)
+        if t.dtype == "auto":
+            why = (
+                "this GPU multiplies bf16 natively"
+                if dtype == "bf16"
+                else "this GPU has no native bf16"
+                if dtype == "fp16"
+                else f"device {self.device.type}: --dtype bf16 pays on a CPU with AMX or "
+                "AVX-512 BF16 only, fp16 is slow on CPUs"
+            )
+            log.info("train.dtype auto: training in %s (%s)", dtype, why)
+        if dtype == "fp16":
+            log.info(
+                "fp16 mixed precision: dynamic loss scaling (torch.amp.GradScaler: scale "
+                "%g at the start, halved and the step skipped on inf/NaN gradients, "
+                "doubled after %d clean steps); weights and Adam in fp32",
+                self.scaler.get_scale(),
+                self.scaler.get_growth_interval(),
+            )
+            if self.device.type == "cpu":
+                log.warning(
+                    "fp16 on the CPU runs PyTorch's generic float16 kernels, far slower "
+                    "than fp32 (unless the CPU has AVX-512 FP16): fp16 is for GPUs"
+                )
+        if t.dtype == "auto" or dtype == "fp16":
+            self._pending_log.append({"event": "precision", "dtype": t.dtype, "resolved": dtype})
+
     def _update(self, stream: BatchStream) -> dict[str, float]:
-        """One optimizer step over `update_freq` batches; a non-finite one is skipped."""
+        """One optimizer step over `plan.accumulation` batches (train.update_freq, or as a
+        global batch needs: epochs.batch_plan); a non-finite one is skipped."""
+        for record in self._pending_log:  # made before the loop: `_log_precision`
+            self._log({"step": self.state.step, **record})
+        self._pending_log.clear()
         t = self.cfg.train
         step = self.state.step + 1
         self.step_hook.begin_attempt(step)
         _seed_step(t.seed, step, self.dist.rank, self.dist.world_size)
         loss_sum, nll_sum, flops = 0.0, 0.0, 0.0
         src_tok: float = 0  # summed over ranks as a float
-        batches = [next(stream) for _ in range(t.update_freq)]
+        batches = [next(stream) for _ in range(self.plan.accumulation)]
         self._last_batches = [b for _, _, b in batches]
         if self.hooks.on_batch:
             for epoch, pos, b in batches:
@@ -226,7 +293,8 @@ class Trainer(TrainerPersistence, TrainerGuards):
                     self.step_hook.before_forward()
                     loss, nll = self._loss(self.net, batch)
                     loss = self.step_hook.on_loss(loss)
-                    (loss * scale).backward()
+                    # fp16: times the loss scale (the gradients are unscaled below)
+                    self.scaler.scale(loss * scale).backward()
             except (torch.OutOfMemoryError, RuntimeError) as e:
                 if not is_oom(e):
                     raise
@@ -249,6 +317,8 @@ class Trainer(TrainerPersistence, TrainerGuards):
                 [loss_sum, nll_sum, src_tok, flops], self.device
             )
         tgt_tok, src_tok = int(tgt_tok), int(src_tok)
+        if math.isfinite(loss_sum):  # else the guards' skip below; the scaler is untouched
+            self.scaler.unscale_(self.optimizer)  # fp16: clip and log the true gradient
         gnorm = float(
             torch.nn.utils.clip_grad_norm_(
                 self.model.parameters(), t.clip_norm if t.clip_norm > 0 else math.inf
@@ -262,14 +332,28 @@ class Trainer(TrainerPersistence, TrainerGuards):
             "src_tokens": src_tok,
             "tgt_tokens": tgt_tok,
         }
-        if not (math.isfinite(loss_sum) and math.isfinite(gnorm)):
+        # fp16: inf/NaN gradients under a finite loss are the loss scale overflowing,
+        # the scaler's to handle (below); a non-finite loss is the guards' in any dtype
+        fp16 = self.scaler.is_enabled()
+        if not (math.isfinite(loss_sum) and (fp16 or math.isfinite(gnorm))):
             self.optimizer.zero_grad(set_to_none=True)
             self.state.nonfinite_skipped += 1
             stats["skipped"] = 1.0
             return stats
         for group in self.optimizer.param_groups:
             group["lr"] = stats["lr"] * self.step_hook.lr_factor(step)
-        self.optimizer.step()
+        if fp16:
+            loss_scale = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)  # Adam, unless the gradients overflowed
+            self.scaler.update()  # halve the scale on an overflow, double after 2000 clean
+            if self.scaler.get_scale() < loss_scale:  # the scale falls only on overflow
+                self.optimizer.zero_grad(set_to_none=True)
+                self.state.overflow_skipped += 1
+                self._after_overflow(step, loss_scale, self.scaler.get_scale())
+                return {**stats, "overflow": 1.0}
+            stats["loss_scale"] = loss_scale
+        else:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step_hook.after_update(step, self.model)
         self.state.step = step
@@ -306,30 +390,110 @@ class Trainer(TrainerPersistence, TrainerGuards):
             return
         with open(self.run_dir / "train_log.jsonl", "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
+        self.board.write(record)  # the same numbers, for TensorBoard
 
-    def _validate(self) -> dict[str, float]:
-        if self.valid_data is None or not self.dist.is_main:
+    def _validate(self, final: bool = False) -> dict[str, float]:
+        """Validation NLL and PPL on rank 0, with valid BLEU where due (`watch.bleu_due`;
+        `final`: the run's last validation), and checkpoint_best.pt kept. Under DDP the
+        other ranks wait at a barrier while rank 0 decodes."""
+        if self.valid_data is None:
             return {}
         t = self.cfg.train
+        with_bleu = bleu_due(t, self.state.step, final)
+        if not self.dist.is_main:
+            if with_bleu:
+                self.dist.barrier()
+            return {}
         metrics = validate(
             self.model, self.valid_data, t.max_tokens, self.device, t.dtype, t.cpu_kernels
         )
+        if with_bleu:
+            metrics.update(self._valid_bleu())
         self.state.best_valid_nll = min(self.state.best_valid_nll, metrics["valid_nll"])
-        self._log({"step": self.state.step, "time": self.state.train_seconds, **metrics})
+        record: dict[str, Any] = {"step": self.state.step, "time": self.state.train_seconds}
+        record.update(metrics)
+        if with_bleu and self._bleu_subset is not None:
+            record["valid_bleu_ref"] = self._bleu_subset.reference_kind
+        best = self._keep_best(metrics)
+        if best:
+            record["best"] = True
+        self._log(record)
+        self.board.flush()
         log.info(
-            "step %d: valid nll %.4f, ppl %.2f",
+            "step %d: valid nll %.4f, ppl %.2f%s%s",
             self.state.step,
             metrics["valid_nll"],
             metrics["valid_ppl"],
+            f", BLEU {metrics['valid_bleu']:.2f}" if with_bleu else "",
+            f" (the best {self.state.best_checkpoint_metric} so far: {ckpt_lib.BEST_NAME})"
+            if best
+            else "",
         )
         if self.hooks.on_valid:
             self.hooks.on_valid(self.state.step, metrics)
+        if with_bleu:
+            self.dist.barrier()
         return metrics
 
-    def _validate_and_check_patience(self) -> bool:
+    def _valid_bleu(self) -> dict[str, float]:
+        """sacreBLEU of the fixed validation subset, decoded now (`watch.valid_bleu`); the
+        first time, the subset is built and an event record says what is scored."""
+        t = self.cfg.train
+        first = self._bleu_subset is None
+        if self._bleu_subset is None:
+            assert self.valid_data is not None
+            limit = min(self.cfg.decode.max_input_len, self.cfg.model.max_positions - 1)
+            self._bleu_subset = bleu_subset(
+                self.valid_data, self.tokenizer, self.manifest, t.valid_bleu_sentences, limit
+            )
+        subset = self._bleu_subset
+        metrics, _, signature = valid_bleu(
+            self.model,
+            subset,
+            self.tokenizer,
+            t.valid_bleu_beam,
+            self.cfg.decode,
+            self.device,
+            t.dtype,
+        )
+        if first:
+            if subset.reference_kind != "raw":
+                log.warning(
+                    "valid BLEU is scored against the reference subwords decoded, not the "
+                    "raw text: %s",
+                    subset.reference_source,
+                )
+            self._log(
+                {
+                    "step": self.state.step,
+                    "event": "valid_bleu",
+                    "sentences": len(subset.sources),
+                    "beam": t.valid_bleu_beam,
+                    "reference": subset.reference_kind,
+                    "reference_source": subset.reference_source,
+                    "signature": signature,
+                }
+            )
+        return metrics
+
+    def _keep_best(self, metrics: dict[str, float]) -> bool:
+        """Write checkpoint_best.pt when this validation beats the best so far by
+        train.best_metric (`watch.is_better`); the state records what it has to beat."""
+        name = best_metric_name(self.cfg.train)
+        s = self.state
+        if name is None or name not in metrics:
+            return False
+        if not is_better(name, metrics[name], s.best_checkpoint_metric, s.best_checkpoint_value):
+            return False
+        s.best_checkpoint_step, s.best_checkpoint_metric = s.step, name
+        s.best_checkpoint_value = float(metrics[name])
+        ckpt_lib.save_best_checkpoint(self.run_dir, self.checkpoint_dict())
+        return True
+
+    def _validate_and_check_patience(self, final: bool = False) -> bool:
         """Validate; True when `patience` validations in a row brought no better NLL."""
         best = self.state.best_valid_nll
-        metrics = self._validate()
+        metrics = self._validate(final)
         if not metrics:
             return False
         if metrics["valid_nll"] < best:
@@ -353,16 +517,34 @@ class Trainer(TrainerPersistence, TrainerGuards):
             write_text_atomic(
                 self.run_dir / "config.json", json.dumps(self.cfg.to_dict(), indent=2) + "\n"
             )
+        plan = self.plan
         log.info(
-            "model: %d parameters; %d training pairs; effective batch ~%d tokens per "
-            "side x %d accumulation x %d ranks = ~%d",
+            "model: %d parameters; %d training pairs",
             count_parameters(self.model),
             len(self.train_data),
-            t.max_tokens,
-            t.update_freq,
-            self.dist.world_size,
-            t.max_tokens * t.update_freq * self.dist.world_size,
         )
+        if plan.fixed:
+            log.info(
+                "batch: global %d tokens per side per step (train.global_batch_tokens) = "
+                "%d ranks x %d accumulation x ~%d tokens per rank per batch (at most "
+                "train.max_tokens %d)",
+                plan.global_tokens,
+                plan.ranks,
+                plan.accumulation,
+                plan.rank_tokens,
+                t.max_tokens,
+            )
+        else:
+            log.info(
+                "batch: effective ~%d tokens per side x %d accumulation x %d ranks = ~%d "
+                "per step (train.max_tokens is per rank: set train.global_batch_tokens "
+                "to keep the step's batch whatever the ranks)",
+                plan.rank_tokens,
+                plan.accumulation,
+                plan.ranks,
+                plan.global_tokens,
+            )
+        self._log({"step": self.state.step, "event": "batch", **plan.to_dict()})
         if self.state.epoch < t.bidirectional_epochs:
             log.info(
                 "bidirectional training: epochs up to %d on every pair in both "
@@ -423,7 +605,7 @@ class Trainer(TrainerPersistence, TrainerGuards):
         t = self.cfg.train
         impatient = False
         if step % t.valid_interval_steps == 0:
-            impatient = self._validate_and_check_patience()
+            impatient = self._validate_and_check_patience(final=step >= t.max_steps)
         out_of_time = t.max_minutes > 0 and self.state.train_seconds >= 60 * t.max_minutes
         due_by_time = (
             t.save_interval_minutes > 0
@@ -440,7 +622,7 @@ class Trainer(TrainerPersistence, TrainerGuards):
             and not (stopping or impatient)
             and (step % t.valid_interval_steps)
         ):
-            self._validate()  # the run's last validation, kept in its last checkpoint
+            self._validate(final=True)  # the run's last validation, in its last checkpoint
         if due or finished:
             result.last_checkpoint = self.save()
             loop.last_save = time.monotonic()
@@ -483,7 +665,7 @@ class Trainer(TrainerPersistence, TrainerGuards):
                 stats = self._update(loop.stream)
                 dt = time.perf_counter() - t0
                 self.state.train_seconds += dt
-                if "oom" in stats:
+                if "oom" in stats or "overflow" in stats:  # fp16 overflow: `_after_overflow`
                     continue
                 stats["tokens_per_s"] = (stats["src_tokens"] + stats["tgt_tokens"]) / dt
                 if "skipped" in stats:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 
@@ -11,6 +10,9 @@ from aiayn.data.batching import collate, token_batches
 from aiayn.data.corpus import Corpus
 from aiayn.model import Transformer
 from aiayn.training.loss import generator_loss
+from aiayn.training.precision import autocast
+
+__all__ = ["autocast", "validate"]
 
 
 @torch.no_grad()
@@ -41,8 +43,3 @@ def validate(
     model.train(was_training)
     mean_nll = nll_sum / max(n_tok, 1)
     return {"valid_nll": mean_nll, "valid_ppl": math.exp(min(mean_nll, 50.0))}
-
-
-def autocast(device: torch.device, dtype: str) -> Any:
-    """bf16 autocast when the run trains in bf16 (fp32 master weights), else nothing."""
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16")
