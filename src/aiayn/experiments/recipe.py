@@ -28,7 +28,12 @@ from typing import TYPE_CHECKING, Any
 
 from aiayn.config import Config, DecodeConfig
 from aiayn.experiments.manifest import cpu_kernels, environment
-from aiayn.experiments.recipe_config import RecipeConfig, load_recipe, parse_recipe
+from aiayn.experiments.recipe_config import (
+    WMT14_SPLITS,
+    RecipeConfig,
+    load_recipe,
+    parse_recipe,
+)
 from aiayn.experiments.stages import (
     RecipeStoppedError,
     plot_runs,
@@ -89,15 +94,53 @@ class _Data:
     manifest: dict[str, Any]
 
 
+def _extracted_text(data: Path, splits: list[str], langs: list[str]) -> bool:
+    """Whether `data` holds the text itself (SPLIT.LANG[.gz] for every split and side, e.g.
+    an `aiayn data wmt14 --out` directory) rather than archives to extract."""
+    from aiayn.data.prepare import find_input
+    from aiayn.files import InputError
+
+    try:
+        for split in splits:
+            for lang in langs:
+                find_input(data / split, lang)
+    except InputError:
+        return False
+    return True
+
+
+def _wmt14_raw(recipe: RecipeConfig, out: Path, data: str | Path | None) -> Path:
+    """WMT14's text: `data` itself where it holds train/valid/test text (read in place),
+    else RUN/data/raw written by `aiayn data wmt14` from the archives (downloaded, or read
+    from `data` as a local mirror), each checked against its published hash."""
+    from aiayn.data.wmt14 import download_wmt14
+
+    langs = [recipe.source_lang, recipe.target_lang]
+    if data is not None and _extracted_text(Path(data), list(WMT14_SPLITS), langs):
+        log.info("WMT14 text read in place from %s", data)
+        return Path(data)
+    other = recipe.target_lang if recipe.source_lang == "en" else recipe.source_lang
+    raw = out / "data" / "raw"
+    download_wmt14(f"en-{other}", raw, from_dir=data)
+    return raw
+
+
 def _data_stage(recipe: RecipeConfig, cfg: Config, out: Path, data: str | Path | None) -> _Data:
-    """Download (or copy) the corpus, lowercase or truncate it as the recipe asks, prepare."""
+    """Download (or copy) the corpus, lowercase or truncate it as the recipe asks, prepare.
+
+    WMT14 is prepared by the streaming prepare (`aiayn.data.stream_prepare`): its 4.5M or
+    36M pairs in bounded memory, into memory-mapped arrays that training reads in place."""
     from aiayn.data.download import download_multi30k
     from aiayn.data.prepare import prepare
+    from aiayn.data.stream_prepare import prepare_streaming
 
     src, tgt = recipe.source_lang, recipe.target_lang
-    raw = out / "data" / "raw"
     splits = [recipe.train_split, recipe.valid_split, recipe.test_split]
-    download_multi30k(raw, data, splits=splits, langs=[src, tgt])
+    if recipe.dataset == "wmt14":
+        raw = _wmt14_raw(recipe, out, data)
+    else:
+        raw = out / "data" / "raw"
+        download_multi30k(raw, data, splits=splits, langs=[src, tgt])
     prefixes = {s: raw / s for s in splits}
     if recipe.lowercase:
         for split in splits:
@@ -113,7 +156,18 @@ def _data_stage(recipe: RecipeConfig, cfg: Config, out: Path, data: str | Path |
             prefixes[split] = out / "data" / f"{split}.first{n}"
             _truncate_copy(full[split], [src, tgt], prefixes[split], n)
     prepared = out / "data" / "prepared"
-    manifest = prepare(
+    if recipe.dataset == "wmt14":
+        # tens of minutes of work: a rerun (a resume) reuses it while inputs and settings
+        # are the same
+        key = _prepare_key(recipe, cfg, [prefixes[recipe.train_split], full[recipe.valid_split]])
+        stamp = out / "data" / "prepare_stamp.json"
+        done = stamp.is_file() and (prepared / "manifest.json").is_file()
+        if done and json.loads(stamp.read_text(encoding="utf-8")) == key:
+            log.info("%s: prepared earlier from the same text and settings: reused", prepared)
+            manifest = json.loads((prepared / "manifest.json").read_text(encoding="utf-8"))
+            return _Data(prefixes, full, prepared, manifest)
+        stamp.unlink(missing_ok=True)
+    manifest = (prepare_streaming if recipe.dataset == "wmt14" else prepare)(
         src,
         tgt,
         prefixes[recipe.train_split],
@@ -124,8 +178,33 @@ def _data_stage(recipe: RecipeConfig, cfg: Config, out: Path, data: str | Path |
         max_len=cfg.train.max_len,
         max_len_ratio=cfg.train.max_len_ratio,
         lowercase=recipe.lowercase,
+        model_type=recipe.vocab_model,
     )
+    if recipe.dataset == "wmt14":
+        write_text_atomic(stamp, json.dumps(key, indent=1) + "\n")
     return _Data(prefixes, full, prepared, manifest)
+
+
+def _prepare_key(recipe: RecipeConfig, cfg: Config, prefixes: list[Path]) -> dict[str, Any]:
+    """What a prepared directory depends on: the settings, and each input file's path,
+    size and modification time (hashing 10 GB of text again would take minutes)."""
+    from aiayn.data.prepare import find_input
+
+    files = {}
+    for prefix in prefixes:
+        for lang in (recipe.source_lang, recipe.target_lang):
+            path = find_input(prefix, lang)
+            st = path.stat()
+            files[str(path.resolve())] = [st.st_size, st.st_mtime_ns]
+    return {
+        "vocab_size": recipe.vocab_size,
+        "vocab_model": recipe.vocab_model,
+        "lowercase": recipe.lowercase,
+        "max_train_pairs": recipe.max_train_pairs,
+        "max_len": cfg.train.max_len,
+        "max_len_ratio": cfg.train.max_len_ratio,
+        "files": files,
+    }
 
 
 def _member_scores(
@@ -174,11 +253,23 @@ def run_recipe(
     Returns:
         The results dictionary also written to RUN/results.json.
     """
+    from aiayn.config import ConfigError
     from aiayn.data.prepare import find_input
     from aiayn.decoding.translate import translate_file
+    from aiayn.experiments.stages import check_stopped, train_stage
     from aiayn.scoring.bleu import score_files
+    from aiayn.training.distributed import init_from_env
 
     cfg, recipe = load_recipe(path, overrides)
+    # Under torchrun, every rank runs this function: rank 0 prepares the data while the
+    # others wait, every rank trains (one DDP job), and rank 0 alone averages, decodes
+    # and scores; the others return once training is done.
+    ctx, _ = init_from_env(device)
+    if ctx.active and (recipe.dataset == "ptb" or recipe.ensemble > 1):
+        raise ConfigError(
+            f"{path}: under torchrun, `aiayn recipe` runs translation recipes of one model; "
+            "run this one in one process (parsing and ensembles train on one device each)"
+        )
     if recipe.dataset == "ptb":  # parsing (section 6.3): its own data and scoring
         from aiayn.experiments.parse_recipe import run_parse_recipe
 
@@ -191,8 +282,14 @@ def run_recipe(
     wall: dict[str, float] = {}
     clock = time.perf_counter
 
+    if not ctx.is_main:
+        ctx.barrier()  # rank 0 has prepared the data
+        _, trained = train_stage(recipe, cfg, out / "data" / "prepared", out, device, None)
+        check_stopped(trained, out)
+        return {"rank": ctx.rank, "world_size": ctx.world_size, "train": trained[0]}
     t0 = clock()
     data_ = _data_stage(recipe, cfg, out, data)
+    ctx.barrier()
     wall["data_and_prepare_s"] = clock() - t0
     t = train_and_average(recipe, cfg, data_.prepared, out, device, hooks, wall)
     runs, trained, averaged, models = t.runs, t.trained, t.averaged, t.models
@@ -358,6 +455,19 @@ def format_results(results: dict[str, Any]) -> str:
         f"  sacreBLEU         {s['sacrebleu']:6.2f}  {s['sacrebleu_signature']}",
         f"  tok-BLEU (lc)     {s['tok_bleu']:6.2f}  {s['tok_bleu_signature']}",
         f"  chrF2             {s['chrf']:6.2f}  {s['chrf_signature']}",
+        *(
+            [
+                f"  paper             {s['paper_bleu']:6.2f}  {s['paper_bleu_signature']}",
+                "                    (Table 2's convention: cased, Moses-tokenized"
+                + (
+                    ", compounds split at ##AT##)"
+                    if "compound-split" in s["paper_bleu_signature"]
+                    else ")"
+                ),
+            ]
+            if "paper_bleu" in s
+            else []
+        ),
         f"  training: {t['steps']} steps, {t['epochs']} epochs, {t['train_seconds'] / 60:.1f} min,"
         f" {t['tokens'] / max(t['train_seconds'], 1e-9):,.0f} tokens/s ({t['stopped_by']})",
         f"  FLOPs: {f['counted_from_model']:.3g} counted, "

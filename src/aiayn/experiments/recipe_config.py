@@ -22,8 +22,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-#: What a recipe trains on: Multi30k translation, or Penn Treebank parsing (section 6.3).
-DATASETS = ("multi30k", "ptb")
+#: What a recipe trains on: Multi30k or WMT14 translation (section 5.1), or Penn Treebank
+#: parsing (section 6.3).
+DATASETS = ("multi30k", "wmt14", "ptb")
+#: WMT14's split names, as `aiayn data wmt14` writes them (newstest2013, newstest2014).
+WMT14_SPLITS = ("train", "valid", "test")
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,9 @@ class RecipeConfig:
     source_lang: str = "en"
     target_lang: str = "de"
     vocab_size: int = 8000
+    # The subword model sentencepiece learns: "bpe" (byte-pair encoding, the paper's En-De
+    # vocabulary) or "unigram" (word-piece style, as the paper's En-Fr one).
+    vocab_model: str = "bpe"
     train_split: str = "train"
     valid_split: str = "val"
     test_split: str = "test_2016_flickr"
@@ -118,6 +124,23 @@ def parse_recipe(table: dict[str, Any], where: str) -> RecipeConfig:
         parse_only = [k for k in ("silver", "tune_beam", "evalb", "linearization") if k in table]
         if parse_only:
             raise ConfigError(f"{where}: recipe.{parse_only[0]} is for dataset = 'ptb' only")
+    if recipe.vocab_model not in ("bpe", "unigram"):
+        raise ConfigError(
+            f"{where}: recipe.vocab_model must be 'bpe' or 'unigram', got {recipe.vocab_model!r}"
+        )
+    if recipe.dataset == "wmt14":
+        langs = {recipe.source_lang, recipe.target_lang}
+        if langs not in ({"en", "de"}, {"en", "fr"}):
+            raise ConfigError(
+                f"{where}: WMT14 has en-de and en-fr (either direction), not "
+                f"{recipe.source_lang}-{recipe.target_lang}"
+            )
+        splits = (recipe.train_split, recipe.valid_split, recipe.test_split)
+        if splits != WMT14_SPLITS:
+            raise ConfigError(
+                f"{where}: WMT14's splits are train_split = 'train', valid_split = 'valid' "
+                f"(newstest2013), test_split = 'test' (newstest2014), got {splits}"
+            )
     if recipe.treebank_split not in ("auto", "sample", "ldc"):
         raise ConfigError(
             f"{where}: recipe.treebank_split must be 'auto', 'sample' or 'ldc', "
