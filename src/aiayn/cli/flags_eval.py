@@ -273,7 +273,7 @@ versions, machine, wall times, FLOPs). Rerunning the same command resumes.
 
 WMT14 (configs/wmt14-*.toml, Table 2 at full scale) downloads ~1.7 GB (En-De) or ~6.6 GB
 (En-Fr) of archives checked against published hashes (--data: a local mirror of them, or
-an `aiayn data wmt14 --out` directory), prepares them in bounded memory (4.5M pairs: ~16
+an `aiayn data wmt14 --out` directory), prepares them in bounded memory (4.5M pairs: ~3
 minutes on 2 CPU cores) and trains under torchrun: rank 0 prepares while the others wait,
 every rank trains, rank 0 averages, decodes and scores. The run directory must be on a
 filesystem every node sees. Times and costs on 8 GPUs: docs/scaling.md.

@@ -23,9 +23,11 @@ Nothing in `out` is replaced until every split has passed its checks: the arrays
 written under temporary names, and the manifest (format 2) is removed first and written
 last, as `prepare` does (RELIABILITY E8).
 
-Memory, with the defaults: sentencepiece on 2M sentences (~1 GB for BPE at 37K pieces,
-measured on WMT-like text; unigram needs ~2x), then the parent (~250 MB: torch is
-imported) and each worker (~100 MB). See benchmarks/prepare_scale.py.
+Memory, with the defaults: the peak is sentencepiece learning BPE from 2M sentences, in
+the parent process: 1.3 GB at 37K pieces on WMT-like text, 1.47 GB for the whole process
+tree, the same at 4.5M and 9M pairs (benchmarks/prepare_scale.py). Unigram's trainer
+needs ~4x BPE's memory per sentence (3.4 GB for 1M sentences), hence its smaller default
+sample. While encoding: the parent (~300 MB: torch is imported) and each worker (~100 MB).
 """
 
 from __future__ import annotations
