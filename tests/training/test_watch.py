@@ -333,7 +333,7 @@ def test_without_tensorboard_a_one_line_warning(
         board.close()
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "\n" not in warnings[0].getMessage()
-    assert "install tensorboard" in warnings[0].getMessage()
+    assert "pip install 'aiayn[watch]'" in warnings[0].getMessage()
     assert not (tmp_path / "tb").exists()
 
 

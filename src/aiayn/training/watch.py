@@ -206,7 +206,7 @@ class Board:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as e:
                 log.warning(
-                    "no TensorBoard event files (%s): install tensorboard or set "
+                    "no TensorBoard event files (%s): pip install 'aiayn[watch]', or set "
                     "train.tensorboard=false; train_log.jsonl stays the record",
                     e,
                 )
