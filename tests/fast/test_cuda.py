@@ -229,22 +229,16 @@ def test_fp16_trains_and_resumes_bitwise_on_cuda(small_data: Path, tmp_path: Pat
     from aiayn.training.persistence import SCALER_KEY
     from aiayn.training.precision import resolve_dtype
     from aiayn.training.trainer import train
-    from helpers import step_losses
+    from helpers import SMALL_TRAINING, step_losses
 
     base = {
-        "N": 1,
-        "d_model": 32,
-        "d_ff": 64,
-        "h": 2,
-        "d_k": 16,
-        "d_v": 16,
+        **SMALL_TRAINING,
         "P_drop": 0.0,
         "train.max_tokens": 300,
         "max_steps": 8,
+        "warmup_steps": 4,
         "save_interval_steps": 4,
         "valid_interval_steps": 4,
-        "log_interval_steps": 1,
-        "train.warmup_steps": 4,
     }
 
     def cfg(**over):

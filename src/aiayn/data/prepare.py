@@ -186,6 +186,32 @@ def _unk_rate(ids: torch.Tensor) -> float:
     return float((ids == UNK_ID).sum()) / max(1, ids.numel())
 
 
+def check_filtered(
+    split: str, dropped: dict[str, int], lines: int, kept: int, max_fraction: float
+) -> None:
+    """Log a split's filter counts by reason; refuse a split that lost more than
+    `max_fraction` of its pairs, or all of them (misaligned or wrong files, usually)."""
+    n_dropped = sum(dropped.values())
+    summary = (
+        f"{split}: filtered {n_dropped} of {lines}: too long {dropped['too_long']}, "
+        f"ratio {dropped['ratio']}, empty {dropped['empty']}, bad UTF-8 {dropped['bad_utf8']}"
+    )
+    logger.info(summary)
+    if n_dropped > max_fraction * lines or not kept:
+        raise InputError(
+            f"{summary}; more than {max_fraction:.0%} of the pairs were dropped (misaligned "
+            "or wrong files? raise max_filtered_fraction or max_len to accept)"
+        )
+
+
+def warn_unknown(split: str, unk_rate: dict[str, float]) -> None:
+    """Warn where over 1% of a side's subwords are <unk>: a vocabulary that misses the
+    text (another language, another script)."""
+    for side, rate in unk_rate.items():
+        if rate > 0.01:
+            logger.warning("%s: %.2f%% of %s subwords are <unk>", split, 100 * rate, side)
+
+
 def _encode_split(
     split: str, pairs: _Pairs, tok: Tokenizer, opts: dict[str, Any]
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -197,27 +223,13 @@ def _encode_split(
     if split == "train":  # valid and test keep every non-empty line: they are scored whole
         keep, counts = _length_filter(src, tgt, opts["max_len"], opts["max_len_ratio"])
         dropped = {k: dropped[k] + counts.get(k, 0) for k in dropped}
-    n_dropped = sum(dropped.values())
-    summary = (
-        f"{split}: filtered {n_dropped} of {lines}: too long {dropped['too_long']}, "
-        f"ratio {dropped['ratio']}, empty {dropped['empty']}, "
-        f"bad UTF-8 {dropped['bad_utf8']}"
-    )
-    logger.info(summary)
-    if n_dropped > opts["max_filtered_fraction"] * lines or not keep:
-        raise InputError(
-            f"{summary}; more than {opts['max_filtered_fraction']:.0%} of the "
-            "pairs were dropped (misaligned or wrong files? raise "
-            "max_filtered_fraction or max_len to accept)"
-        )
+    check_filtered(split, dropped, lines, len(keep), opts["max_filtered_fraction"])
     data: dict[str, torch.Tensor] = {}
     for side, seqs in (("src", src), ("tgt", tgt)):
         data[f"{side}_ids"], data[f"{side}_offsets"] = _pack([seqs[i] for i in keep])
     data["line_numbers"] = torch.tensor([pairs.line_numbers[i] for i in keep], dtype=torch.int64)
     unk = {side: _unk_rate(data[f"{side}_ids"]) for side in ("src", "tgt")}
-    for side, rate in unk.items():
-        if rate > 0.01:
-            logger.warning("%s: %.2f%% of %s subwords are <unk>", split, 100 * rate, side)
+    warn_unknown(split, unk)
     return data, {
         "lines": lines,
         "pairs": len(keep),

@@ -54,6 +54,7 @@ from aiayn.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from aiayn.data import encode_worker
 from aiayn.data.corpus import MANIFEST_FILE, MMAP_FORMAT_VERSION, SPLITS, SPM_FILE
 from aiayn.data.mmap_corpus import ARRAYS, DTYPES, NpyWriter, array_file
+from aiayn.data.prepare import _check_options, check_filtered, find_input, warn_unknown
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.files import InputError, sha256_file
 
@@ -293,21 +294,9 @@ def _encode_split(
         )
     pairs = writer.w["line_numbers"].n
     src_tokens, tgt_tokens = writer.w["src_ids"].n, writer.w["tgt_ids"].n
-    summary = (
-        f"{split}: filtered {n_drop} of {n_lines}: too long {dropped['too_long']}, "
-        f"ratio {dropped['ratio']}, empty {dropped['empty']}, bad UTF-8 {dropped['bad_utf8']}"
-    )
-    logger.info(summary)
-    if n_drop > opts["max_filtered_fraction"] * n_lines or not pairs:
-        raise InputError(
-            f"{summary}; more than {opts['max_filtered_fraction']:.0%} of the pairs were "
-            "dropped (misaligned or wrong files? raise max_filtered_fraction or max_len "
-            "to accept)"
-        )
+    check_filtered(split, dropped, n_lines, pairs, opts["max_filtered_fraction"])
     rates = {"src": unk[0] / max(1, src_tokens), "tgt": unk[1] / max(1, tgt_tokens)}
-    for side, rate in rates.items():
-        if rate > 0.01:
-            logger.warning("%s: %.2f%% of %s subwords are <unk>", split, 100 * rate, side)
+    warn_unknown(split, rates)
     return {
         "lines": n_lines,
         "pairs": pairs,
@@ -357,8 +346,6 @@ def prepare_streaming(
     Returns:
         The manifest (format 2), as written to `out/manifest.json`.
     """
-    from aiayn.data.prepare import _check_options, find_input
-
     if out is None:
         raise TypeError("prepare_streaming() needs an output directory `out`")
     _check_options(on_empty, on_bad_utf8, max_len, max_len_ratio, max_filtered_fraction)
