@@ -15,29 +15,7 @@ mkdir -p "$OUT"
 DATA=${1:-}
 PY=${PYTHON:-python3}
 LOG="$OUT/log.txt"
-export PYTHONUNBUFFERED=1
-
-if [ -n "${WHEELS:-}" ]; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/aiayn-site "$WHEELS"/*.whl && export PYTHONPATH=/tmp/aiayn-site
-fi
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-# The tests read Multi30k from ../shared/data/multi30k (the checkout's neighbour, which
-# does not travel to a lent machine): link the data given there.
-SHARED="$(cd .. && pwd)/shared/data/multi30k"
-if [ -n "$DATA" ] && [ ! -e "$SHARED" ]; then
-    mkdir -p "$(dirname "$SHARED")" && ln -s "$(realpath "$DATA")" "$SHARED"
-fi
-
-step() {  # step NAME SECONDS COMMAND...: run with a limit, log its output and time
-    local name=$1 limit=$2
-    shift 2
-    echo "=== $name ($(date -u +%T), limit ${limit}s): $*" | tee -a "$LOG"
-    local t0=$SECONDS
-    timeout "$limit" "$@" 2>&1 | tee -a "$LOG"
-    local rc=${PIPESTATUS[0]}
-    echo "=== $name: rc $rc, $((SECONDS - t0)) s" | tee -a "$LOG"
-}
+source "$(dirname "$0")/gpu_lease.sh"
 
 step env 30 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv;
     $PY -c 'import torch, triton, transformers; print(\"torch\", torch.__version__, \"triton\", triton.__version__, \"transformers\", transformers.__version__, torch.cuda.get_device_name())'

@@ -20,28 +20,7 @@ JOBS=${3:-12}
 LIMIT=${4:-380}
 PY=${PYTHON:-python3}
 LOG="$OUT/log.txt"
-export PYTHONUNBUFFERED=1
-T0=$SECONDS
-
-if [ -n "${WHEELS:-}" ]; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/aiayn-site "$WHEELS"/*.whl && export PYTHONPATH=/tmp/aiayn-site
-fi
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-SHARED="$(cd .. && pwd)/shared/data/multi30k"
-if [ ! -e "$SHARED" ]; then
-    mkdir -p "$(dirname "$SHARED")" && ln -s "$(realpath "$DATA")" "$SHARED"
-fi
-
-step() {  # step NAME SECONDS COMMAND...: run with a limit, log its output and time
-    local name=$1 limit=$2
-    shift 2
-    echo "=== $name ($(date -u +%T), limit ${limit}s): $*" | tee -a "$LOG"
-    local t0=$SECONDS
-    timeout -k 20 "$limit" "$@" 2>&1 | tee -a "$LOG"
-    local rc=${PIPESTATUS[0]}
-    echo "=== $name: rc $rc, $((SECONDS - t0)) s" | tee -a "$LOG"
-}
+source "$(dirname "$0")/gpu_lease.sh"
 
 step env 30 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv;
     $PY -c 'import torch; print(\"torch\", torch.__version__, torch.cuda.get_device_name())'
@@ -73,10 +52,10 @@ step table3-table 60 env PYTHONPATH="$CLEAN/src${PYTHONPATH#$PWD/src}" $PY -m ai
 (cd /tmp/table3 && tar czf - table3.csv table3.json */seed*/table3_row.json \
     */seed*/train_log.jsonl */seed*/config.json 2>/dev/null) > "$OUT/table3.tgz"
 
-LEFT=$((560 - (SECONDS - T0)))
+LEFT=$((560 - SECONDS))
 if [ "$LEFT" -gt 30 ]; then
     step table1 "$LEFT" $PY -m aiayn table1 --device cuda --d 512 --batch 8 --out /tmp/table1
     cp /tmp/table1/table1.json "$OUT/table1_cuda.json" 2>/dev/null
     cp /tmp/table1/table1.png "$OUT/table1_cuda.png" 2>/dev/null
 fi
-echo "=== done $(date -u +%T), $((SECONDS - T0)) s" | tee -a "$LOG"
+echo "=== done $(date -u +%T), $SECONDS s" | tee -a "$LOG"
