@@ -153,9 +153,17 @@ def read_lines(path: str | Path, *, on_bad_utf8: str = "error") -> Iterator[str]
 
 
 def count_lines(path: str | Path) -> int:
-    """Number of lines as `wc -l` counts them, plus one for a last line without newline."""
-    data = read_bytes(path)
-    return data.count(b"\n") + (1 if data and not data.endswith(b"\n") else 0)
+    """Number of lines as `wc -l` counts them, plus one for a last line without newline;
+    read 1 MiB at a time, so that a corpus of gigabytes is counted in constant memory."""
+    n, last = 0, b"\n"
+    try:
+        with open_bytes(path) as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                n += chunk.count(b"\n")
+                last = chunk[-1:]
+    except (EOFError, zlib.error, gzip.BadGzipFile) as e:
+        raise InputError(f"{path}: truncated or corrupt gzip file ({e})") from None
+    return n + (last != b"\n")
 
 
 def sha256_file(path: str | Path) -> str:

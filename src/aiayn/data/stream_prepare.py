@@ -54,7 +54,13 @@ from aiayn.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from aiayn.data import encode_worker
 from aiayn.data.corpus import MANIFEST_FILE, MMAP_FORMAT_VERSION, SPLITS, SPM_FILE
 from aiayn.data.mmap_corpus import ARRAYS, DTYPES, NpyWriter, array_file
-from aiayn.data.prepare import _check_options, check_filtered, find_input, warn_unknown
+from aiayn.data.prepare import (
+    _check_options,
+    check_filtered,
+    check_line_counts,
+    find_input,
+    warn_unknown,
+)
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.files import InputError, sha256_file
 
@@ -85,31 +91,6 @@ def raw_lines(path: Path) -> Iterator[bytes]:
             yield from f
     except _GZIP_ERRORS as e:
         raise InputError(f"{path}: truncated or corrupt gzip file ({e})") from None
-
-
-def count_lines(path: Path) -> int:
-    """Lines as `wc -l` counts them (plus an unterminated last one), 1 MiB at a time."""
-    n, last = 0, b"\n"
-    try:
-        with files.open_bytes(path) as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                n += chunk.count(b"\n")
-                last = chunk[-1:]
-    except _GZIP_ERRORS as e:
-        raise InputError(f"{path}: truncated or corrupt gzip file ({e})") from None
-    return n + (last != b"\n")
-
-
-def check_line_counts(src: Path, tgt: Path) -> int:
-    """Refuse misaligned sides before any work (RELIABILITY E1); return the shared count."""
-    n_src, n_tgt = count_lines(src), count_lines(tgt)
-    if n_src != n_tgt:
-        longer, shorter = (src, tgt) if n_src > n_tgt else (tgt, src)
-        raise InputError(
-            f"line counts differ: {src} has {n_src} lines, {tgt} has {n_tgt}; "
-            f"line {min(n_src, n_tgt) + 1} of {longer} has no partner in {shorter}"
-        )
-    return n_src
 
 
 def _chunks(src: Path, tgt: Path, chunk: int) -> Iterator[tuple[int, list[bytes], list[bytes]]]:
