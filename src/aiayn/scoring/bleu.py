@@ -37,6 +37,7 @@ import functools
 import logging
 import math
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from importlib.metadata import version
 from pathlib import Path
@@ -252,25 +253,39 @@ def _score(
     )
 
 
-def _tok_bleu(hyps: list[str], refs: list[str], target_lang: str) -> tuple[float, str]:
-    """Lowercased BLEU on Moses-tokenized text (multi-bleu style), and its signature."""
+def _moses_bleu(
+    hyps: list[str],
+    refs: list[str],
+    target_lang: str,
+    bleu: BLEU,
+    tokenizer_signature: str,
+    post: Callable[[str], str] | None = None,
+) -> tuple[float, str]:
+    """`bleu` (sacrebleu, tokenize="none") on Moses-tokenized text, each tokenized line
+    passed through `post` when given; the signature names the tokenizer first."""
     import sacremoses  # imported here: see above
 
     moses = sacremoses.MosesTokenizer(lang=target_lang)
 
     def tok(s: str) -> str:
-        return moses.tokenize(s, escape=False, return_str=True)
+        t = moses.tokenize(s, escape=False, return_str=True)
+        return post(t) if post else t
 
-    # Moses' nonbreaking prefixes are case-sensitive, so tokenize first, then lowercase
-    # (inside sacrebleu, recorded as case:lc); tokenize="none" splits on spaces only
-    bleu = BLEU(lowercase=True, tokenize="none", force=True)
     result = bleu.corpus_score([tok(h) for h in hyps], [[tok(r) for r in refs]])
     signature = (
-        f"sacremoses-tok:{target_lang}|escape:no|aggressive-dash:no|"
+        f"sacremoses-tok:{target_lang}|escape:no|{tokenizer_signature}|"
         f"sacremoses:{version('sacremoses')}|then sacrebleu:"
         f"{bleu.get_signature().format()}"
     )
     return result.score, signature
+
+
+def _tok_bleu(hyps: list[str], refs: list[str], target_lang: str) -> tuple[float, str]:
+    """Lowercased BLEU on Moses-tokenized text (multi-bleu style), and its signature."""
+    # Moses' nonbreaking prefixes are case-sensitive, so tokenize first, then lowercase
+    # (inside sacrebleu, recorded as case:lc); tokenize="none" splits on spaces only
+    bleu = BLEU(lowercase=True, tokenize="none", force=True)
+    return _moses_bleu(hyps, refs, target_lang, bleu, "aggressive-dash:no")
 
 
 #: tensor2tensor's get_ende_bleu.sh: perl -ple 's{(\S)-(\S)}{$1 ##AT##-##AT## $2}g'
@@ -288,23 +303,16 @@ def split_compounds(text: str) -> str:
 
 def _paper_bleu(hyps: list[str], refs: list[str], target_lang: str) -> tuple[float, str]:
     """Cased, unsmoothed BLEU on Moses-tokenized text, compounds split for German."""
-    import sacremoses  # imported here: see above
-
-    moses = sacremoses.MosesTokenizer(lang=target_lang)
     split = target_lang == "de"
-
-    def tok(s: str) -> str:
-        t = moses.tokenize(s, escape=False, return_str=True)
-        return split_compounds(t) if split else t
-
     bleu = BLEU(tokenize="none", smooth_method="none", force=True)
-    result = bleu.corpus_score([tok(h) for h in hyps], [[tok(r) for r in refs]])
-    signature = (
-        f"sacremoses-tok:{target_lang}|escape:no|compound-split:{'##AT##' if split else 'no'}|"
-        f"sacremoses:{version('sacremoses')}|then sacrebleu:"
-        f"{bleu.get_signature().format()}"
+    return _moses_bleu(
+        hyps,
+        refs,
+        target_lang,
+        bleu,
+        f"compound-split:{'##AT##' if split else 'no'}",
+        split_compounds if split else None,
     )
-    return result.score, signature
 
 
 def _check_no_subwords(lines: list[str], name: str) -> None:
