@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -200,3 +201,54 @@ def test_prefetch_close_stops_an_endless_producer() -> None:
     assert len(drawn) <= 5 + 2 + 1  # read ahead by the depth (and one in hand), no more
     with pytest.raises(StopIteration):
         next(p)
+
+
+def _reference_batches(
+    src: torch.Tensor, tgt: torch.Tensor, max_tokens: int, seed: int, epoch: int
+) -> list[list[int]]:
+    """The batching of section 5.1 one pair at a time, as aiayn did before
+    `EpochBatches`: the same sort, then each pair joins the open batch while
+    n x longest fits on both sides, then the same shuffle of the batches."""
+    gen = torch.Generator().manual_seed(seed + epoch)
+    perm = torch.randperm(len(src), generator=gen)
+    perm = perm[torch.sort(tgt[perm], stable=True).indices]
+    perm = perm[torch.sort(src[perm], stable=True).indices]
+    batches: list[list[int]] = []
+    current: list[int] = []
+    max_s = max_t = 0
+    for i in perm.tolist():
+        s, t = max(max_s, int(src[i]) + 1), max(max_t, int(tgt[i]) + 1)
+        if current and (len(current) + 1) * max(s, t) > max_tokens:
+            batches.append(current)
+            current, s, t = [], int(src[i]) + 1, int(tgt[i]) + 1
+        current.append(i)
+        max_s, max_t = s, t
+    if current:
+        batches.append(current)
+    return [batches[i] for i in torch.randperm(len(batches), generator=gen).tolist()]
+
+
+@pytest.mark.parametrize("max_tokens", [1, 7, 64, 300, 5000, 10**6])
+def test_array_batching_equals_the_pair_by_pair_greedy(max_tokens: int) -> None:
+    """`token_batches` cuts the sorted order with array operations on a window ahead
+    (`_cut`); it gives exactly the batches of the per-pair greedy loop, so runs made
+    before it replay the same epochs. Lengths are skewed so that windows double and
+    shrink, with pairs longer than the budget and an int32 corpus as a mapped one has."""
+    g = torch.Generator().manual_seed(max_tokens)
+    src = (torch.rand(3000, generator=g) ** 4 * 400).long()
+    tgt = (src + torch.randint(-20, 60, (3000,), generator=g)).clamp(min=0)
+    for lens in ((src, tgt), (src.int(), tgt.int())):
+        got = token_batches(*lens, max_tokens, seed=4, epoch=1)
+        assert list(got) == _reference_batches(src, tgt, max_tokens, seed=4, epoch=1)
+
+
+def test_epoch_batches_hold_arrays_not_lists() -> None:
+    """An epoch of a million pairs is one int32 permutation and two int64 bounds per
+    batch (~4 bytes a pair), not a Python int per pair (~70 bytes with its list)."""
+    g = torch.Generator().manual_seed(0)
+    src = torch.randint(1, 80, (1_000_000,), generator=g, dtype=torch.int32)
+    tgt = (src + torch.randint(-5, 15, src.shape, generator=g, dtype=torch.int32)).clamp(min=0)
+    batches = token_batches(src, tgt, 25_000, seed=1, epoch=0)
+    held = sum(a.nbytes for a in (batches.order, batches.starts, batches.ends))
+    assert batches.order.dtype == np.int32 and held < 4.2 * len(src)
+    assert sorted(i for b in batches for i in b) == list(range(len(src)))

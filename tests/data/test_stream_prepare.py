@@ -338,9 +338,9 @@ def _prepare_and_train(root: Path, pairs: int) -> dict[str, int]:
 @pytest.mark.slow
 def test_scale_rss_does_not_follow_the_corpus(tmp_path: Path) -> None:
     """4.5M synthetic pairs (AIAYN_SCALE_PAIRS to change) stream through prepare and 100
-    training steps of a micro model; so do 0.5M. The training process's peak anonymous
-    memory grows by far less than the token arrays do: they are mapped, not loaded (what
-    does grow is the per-pair bookkeeping of length batching, ~100 bytes a pair)."""
+    training steps of a micro model; so do 0.5M. The training process's anonymous memory
+    grows by far less than the token arrays do: they are mapped, not loaded, and the
+    epoch's batches are arrays (`EpochBatches`: ~4 bytes a pair, plus the lengths' 8)."""
     big = int(os.environ.get("AIAYN_SCALE_PAIRS", 4_500_000))
     small = big // 9
     r_small = _prepare_and_train(tmp_path / "small", small)
@@ -349,4 +349,4 @@ def test_scale_rss_does_not_follow_the_corpus(tmp_path: Path) -> None:
     grown_arrays = r_big["array_kib"] - r_small["array_kib"]
     grown_anon = r_big["anon"] - r_small["anon"]
     assert grown_arrays > 500_000 * big / 4_500_000  # the arrays did grow (~1 GB)
-    assert grown_anon < 0.5 * grown_arrays, (r_small, r_big)
+    assert grown_anon < 0.15 * grown_arrays, (r_small, r_big)

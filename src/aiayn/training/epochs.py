@@ -4,11 +4,11 @@ a resumed run sees the same batches as an uninterrupted one.
 Two ways to batch (`train.global_batch_tokens`):
 
 - off (0): each rank reads whole batches of `train.max_tokens` (rank r takes batches r,
-  r + W, ...; `batching._shard`) and accumulates `train.update_freq` of them, so a step's
-  batch is max_tokens x update_freq x ranks and grows with the ranks.
+  r + W, ...; `batching.EpochBatches.shard`) and accumulates `train.update_freq` of them,
+  so a step's batch is max_tokens x update_freq x ranks and grows with the ranks.
 - on (G > 0): the epoch is one list of global batches of G tokens per side, the same on
   any number of ranks; each is cut into ranks x accumulation slices
-  (`batching.split_global_batch`), rank r taking slices r, r + W, ... as its micro-batches.
+  (`batching.EpochBatches.split`), rank r taking slices r, r + W, ... as its micro-batches.
   A step reads exactly one global batch, so 8 ranks, 4 ranks x 2 and 1 rank x 8 read the
   same sentences each step (their gradients differ only by float summation order), every
   pair is read by exactly one rank per epoch (no padding with repeated batches), and a
@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from aiayn.config import TrainConfig
-from aiayn.data.batching import Batch, collate, split_global_batch, token_batches
+from aiayn.data.batching import Batch, EpochBatches, collate, token_batches
 from aiayn.data.corpus import Corpus
 from aiayn.training.distributed import DistContext
 
@@ -80,7 +80,7 @@ def batch_plan(cfg: TrainConfig, world_size: int) -> BatchPlan:
 
 def epoch_order(
     corpus: Corpus, cfg: TrainConfig, epoch: int, dist_ctx: DistContext
-) -> list[list[int]]:
+) -> EpochBatches:
     """This rank's batches of `epoch`, in order; with a global batch, its `accumulation`
     slices of each global batch in turn (an empty list is a null batch, see `collate`)."""
     if cfg.global_batch_tokens <= 0:
@@ -95,14 +95,10 @@ def epoch_order(
         )
     world = dist_ctx.world_size
     parts = world * batch_plan(cfg, world).accumulation
-    return [
-        piece
-        for batch in global_batches(corpus, cfg, epoch)
-        for piece in split_global_batch(batch, parts)[dist_ctx.rank :: world]
-    ]
+    return global_batches(corpus, cfg, epoch).split(parts, dist_ctx.rank, world)
 
 
-def global_batches(corpus: Corpus, cfg: TrainConfig, epoch: int) -> list[list[int]]:
+def global_batches(corpus: Corpus, cfg: TrainConfig, epoch: int) -> EpochBatches:
     """The global batches of `epoch` (train.global_batch_tokens > 0): the same list on any
     number of ranks, each the pairs of one optimizer step."""
     return token_batches(

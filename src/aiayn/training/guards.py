@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from aiayn import checkpoints as ckpt_lib
 from aiayn.config import Config
-from aiayn.data.batching import Batch, collate
+from aiayn.data.batching import Batch, EpochBatches, collate
 from aiayn.data.corpus import Corpus
 from aiayn.fast.layers import FastTransformer
 from aiayn.training.distributed import DistContext
@@ -78,7 +78,7 @@ class Pace:
 
 
 def largest_batches(
-    src_lens: torch.Tensor, tgt_lens: torch.Tensor, order: list[list[int]]
+    src_lens: torch.Tensor, tgt_lens: torch.Tensor, order: EpochBatches
 ) -> list[int]:
     """C7: the positions in `order` of the batches likely to need the most memory.
 
@@ -88,13 +88,8 @@ def largest_batches(
     padded target tokens (the logits, B x T x vocabulary). Lengths as `collate` pads them:
     source + EOS, target + BOS. Distinct positions, in that order.
     """
-    s = (src_lens + 1).tolist()
-    t = (tgt_lens + 1).tolist()
     # an empty batch (a null slice of a global batch) measures 0
-    shapes = [
-        (len(b), max((s[i] for i in b), default=0), max((t[i] for i in b), default=0))
-        for b in order
-    ]
+    shapes = order.shapes(src_lens, tgt_lens).tolist()
     measures = (
         lambda b, S, T: b * (S + T),
         lambda b, S, T: b * (S * S + T * T + S * T),
