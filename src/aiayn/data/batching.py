@@ -157,10 +157,11 @@ def _cut(src_len: np.ndarray, tgt_len: np.ndarray, max_tokens: int) -> np.ndarra
 class EpochBatches(Sequence[list[int]]):
     """An epoch's batches as slices of one permutation of the corpus.
 
-    Why not a list of lists: a Python int per pair costs ~70 bytes with its list slot and
-    the lengths it was cut from, 2.5 GB of memory and minutes of Python at WMT14 En-Fr's
-    36M pairs, held all epoch on every rank. Here a pair costs 4 bytes (its place in
-    `order`) and a batch two; `batch[i]` makes the one list of indices a step needs.
+    Why not a list of lists: a Python int per pair, with its list slot and the lengths it
+    was cut from, cost 2.4 GB at the peak, 1.3 GB held all epoch on every rank and a minute
+    of Python at WMT14 En-Fr's 36M pairs (docs/performance.md). Here a pair costs 4 bytes
+    (its place in `order`) and a batch two int64 bounds; `batches[i]` makes the one list of
+    indices a step needs.
 
     Attributes:
         order: (n,) corpus indices, sorted by length (a batch is a contiguous run of it).
