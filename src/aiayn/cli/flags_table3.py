@@ -40,7 +40,7 @@ directories aside (ROW/seedS.stale-K) and trains them again. Scoring settings al
 
 Runtime on this machine (2-core AMD EPYC VM, no AMX): configs/table3-multi30k.toml, 19 rows
 of 4,000 steps, ~9 hours for one seed (base row ~0.40 s a step: ~27 minutes; scoring
-~1 minute a row), each row capped at 60 minutes; ~6 hours on a 2-core Sapphire Rapids;
+~1 minute a row), each row capped at 120 minutes; ~6 hours on a 2-core Sapphire Rapids;
 --seeds 3 triples it. A micro grid (tests/experiments/test_table3.py) takes seconds.
 
 examples:
