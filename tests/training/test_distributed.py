@@ -1,6 +1,6 @@
 """Data parallelism (torchrun + DDP, gloo on CPU), RELIABILITY group D.
 
-Rank r takes batches r, r+2, ... of each epoch (batching.EpochBatches.shard), so with dropout off a
+Rank r takes batches r, r+2, ... of each epoch (`EpochBatches.shard`), so with dropout off a
 2-rank step sees exactly the two batches a 1-rank step with update_freq=2 sees; DDP's
 average of the ranks' gradients must then give the same update, up to float summation
 order. Faults (a killed, raising, hanging or out-of-memory rank, a rank whose weights
