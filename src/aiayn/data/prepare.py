@@ -186,6 +186,36 @@ def _unk_rate(ids: torch.Tensor) -> float:
     return float((ids == UNK_ID).sum()) / max(1, ids.numel())
 
 
+def find_inputs(
+    source_lang: str, target_lang: str, prefixes: dict[str, str | Path | None]
+) -> dict[str, tuple[Path, Path]]:
+    """(source, target) file of each split whose prefix is given (`find_input`)."""
+    return {
+        split: (find_input(p, source_lang), find_input(p, target_lang))
+        for split, p in prefixes.items()
+        if p is not None
+    }
+
+
+def inputs_manifest(
+    inputs: dict[str, tuple[Path, Path]], counts: dict[str, int], hashes: dict[Path, str]
+) -> dict[str, Any]:
+    """The manifest's "inputs": each split's files with their sha256 and line count."""
+    return {
+        split: {
+            side: {"path": str(path.resolve()), "sha256": hashes[path], "lines": counts[split]}
+            for side, path in zip(("src", "tgt"), paths, strict=True)
+        }
+        for split, paths in inputs.items()
+    }
+
+
+def write_manifest(out: Path, manifest: dict[str, Any]) -> None:
+    """Write out/manifest.json, last: it vouches for the files written before it."""
+    text = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
+    files.write_text_atomic(out / MANIFEST_FILE, text)
+
+
 def check_filtered(
     split: str, dropped: dict[str, int], lines: int, kept: int, max_fraction: float
 ) -> None:
@@ -332,11 +362,7 @@ def prepare(
         raise TypeError("prepare() needs an output directory `out`")
     _check_options(on_empty, on_bad_utf8, max_len, max_len_ratio, max_filtered_fraction)
     prefixes = {"train": trainpref, "valid": validpref, "test": testpref}
-    inputs = {
-        split: (find_input(p, source_lang), find_input(p, target_lang))
-        for split, p in prefixes.items()
-        if p is not None
-    }
+    inputs = find_inputs(source_lang, target_lang, prefixes)
     big = sum(p.stat().st_size for p in inputs["train"])
     if big > _BIG_INPUT:
         logger.warning(
@@ -392,21 +418,12 @@ def prepare(
             **({} if split_by_script else {"split_by_script": False}),
             **({} if model_type == "bpe" else {"model_type": model_type}),
         ),
-        "inputs": {
-            split: {
-                side: {
-                    "path": str(path.resolve()),
-                    "sha256": sha256_file(path),
-                    "lines": counts[split],
-                }
-                for side, path in zip(("src", "tgt"), paths, strict=True)
-            }
-            for split, paths in inputs.items()
-        },
+        "inputs": inputs_manifest(
+            inputs, counts, {path: sha256_file(path) for ps in inputs.values() for path in ps}
+        ),
         "splits": splits,
     }
-    text = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
-    files.write_text_atomic(out / MANIFEST_FILE, text)  # last: it vouches for the rest
+    write_manifest(out, manifest)
     return manifest
 
 

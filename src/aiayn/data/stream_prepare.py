@@ -33,7 +33,6 @@ sample. While encoding: the parent (~300 MB: torch is imported) and each worker 
 from __future__ import annotations
 
 import gzip
-import json
 import logging
 import math
 import multiprocessing as mp
@@ -58,8 +57,10 @@ from aiayn.data.prepare import (
     _check_options,
     check_filtered,
     check_line_counts,
-    find_input,
+    find_inputs,
+    inputs_manifest,
     warn_unknown,
+    write_manifest,
 )
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.files import InputError, sha256_file
@@ -342,11 +343,7 @@ def prepare_streaming(
         )
     t0 = time.monotonic()
     prefixes = {"train": trainpref, "valid": validpref, "test": testpref}
-    inputs = {
-        split: (find_input(p, source_lang), find_input(p, target_lang))
-        for split, p in prefixes.items()
-        if p is not None
-    }
+    inputs = find_inputs(source_lang, target_lang, prefixes)
     counts = {split: check_line_counts(*paths) for split, paths in inputs.items()}
     input_hashes = {path: sha256_file(path) for paths in inputs.values() for path in paths}
     seconds = {"count": round(time.monotonic() - t0, 1)}
@@ -430,22 +427,11 @@ def prepare_streaming(
             **({} if split_by_script else {"split_by_script": False}),
             streaming={"workers": workers, "spm_sample": spm_sample, "spm_threads": spm_threads},
         ),
-        "inputs": {
-            split: {
-                side: {
-                    "path": str(path.resolve()),
-                    "sha256": input_hashes[path],
-                    "lines": counts[split],
-                }
-                for side, path in zip(("src", "tgt"), paths, strict=True)
-            }
-            for split, paths in inputs.items()
-        },
+        "inputs": inputs_manifest(inputs, counts, input_hashes),
         "splits": splits,
         "seconds": seconds,
     }
-    text = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
-    files.write_text_atomic(out / MANIFEST_FILE, text)  # last: it vouches for the rest
+    write_manifest(out, manifest)
     return manifest
 
 

@@ -93,12 +93,7 @@ def plot_curves(
         ax.legend()
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(fig, out, dpi=110)
 
 
 #: What `plot_runs` can draw: a train_log.jsonl key -> (panel title, y label, log scale).
@@ -213,9 +208,16 @@ def plot_runs(
     for ax in list(axes.flat)[len(metrics) :]:
         ax.set_visible(False)
     fig.suptitle(", ".join(runs))
-    fig.tight_layout()
+    _save(fig, out, dpi=100)
+    return drawn
+
+
+def _save(fig: Any, out: str | Path, dpi: int) -> Path:
+    """Write the figure to `out` (its folder made if missing) and free it."""
+    import matplotlib.pyplot as plt
+
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
+    fig.savefig(out, dpi=dpi)
     plt.close(fig)
-    return drawn
+    return out
