@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import signal
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -374,3 +377,43 @@ def test_rows_trained_in_parallel_processes_equal_rows_trained_one_after_another
     # a finished parallel sweep is finished: nothing runs again
     again = t3.run_table3(exp, tmp_path / "two", prepared=small_data, rows=["base", "A1"], jobs=2)
     assert [r.train_seconds for r in again.runs] == [r.train_seconds for r in two.runs]
+
+
+def test_a_signal_to_a_parallel_sweep_saves_the_running_rows_and_starts_no_queued_one(
+    tmp_path, small_data
+):
+    # three runs on two workers: the pool hands the third to whichever worker stops first
+    # (it is queued in the pool already), which must not start it after the SIGTERM
+    exp = t3.load_table3(micro_grid(tmp_path), {"train.max_steps": 400})
+    out = tmp_path / "sweep"
+    first = [out / row / "seed1" / "checkpoint_3.pt" for row in ("base", "A1")]
+
+    def stop_when_both_train() -> None:
+        deadline = time.monotonic() + 120
+        while not all(f.is_file() for f in first) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=stop_when_both_train, daemon=True).start()
+    with pytest.raises(RecipeStoppedError, match="stopped by SIGTERM: 0 runs finished"):
+        t3.run_table3(exp, out, prepared=small_data, jobs=2)
+    for row in ("base", "A1"):
+        run = out / row / "seed1"
+        assert not (run / t3.ROW_FILE).exists()
+        log = [json.loads(x) for x in (run / "train_log.jsonl").open()]
+        last = max(x["step"] for x in log if "step" in x)
+        assert 3 <= last < 400 and (run / "checkpoint_last.pt").is_file()
+    assert not (out / "A3").exists()  # never started
+
+
+def test_a_stopped_run_survives_the_trip_from_a_worker_process():
+    # a worker's exception reaches the parent by pickle: one that cannot be rebuilt there
+    # breaks the pool, which then SIGTERMs every worker
+    e = RecipeStoppedError("SIGTERM", 12, Path("runs/x"))
+    back = pickle.loads(pickle.dumps(e))
+    assert (type(back), str(back), back.signal_name, back.step) == (
+        RecipeStoppedError,
+        str(e),
+        "SIGTERM",
+        12,
+    )

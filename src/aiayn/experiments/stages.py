@@ -30,6 +30,14 @@ class RecipeStoppedError(Exception):
             f"resume {out}"
         )
         self.signal_name = signal_name
+        self.step = step
+        self.out = out
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # raised in a worker process (`aiayn table3 --jobs`), it crosses to the parent by
+        # pickle; the default rebuilds it from the message alone, which this __init__
+        # refuses, and a result that cannot be read breaks the whole process pool
+        return (type(self), (self.signal_name, self.step, self.out), self.__dict__)
 
 
 def matmul_peak_for(cfg: Config, device: str) -> tuple[float, torch.dtype]:

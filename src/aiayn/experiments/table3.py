@@ -751,7 +751,8 @@ def run_table3(
             instead of refusing.
         train: False: train nothing, score nothing; the table of what is finished.
         jobs: runs trained at once, each in its own process (`_run_parallel`): for a GPU,
-            which one small row leaves mostly idle; `hooks_for` is not called then.
+            which one small row leaves mostly idle, or a CPU whose cores one run's
+            small products do not keep busy; `hooks_for` is not called then.
 
     Raises:
         ConfigError: before any training, for the runs whose settings changed (each
@@ -835,19 +836,44 @@ def run_table3(
     return report
 
 
-def _child_init(threads: int) -> None:
+# In a worker of `_run_parallel`: the parent's stop event, and whether this process was
+# sent SIGTERM between runs (a signal handler only sets a flag).
+_stop_event: Any = None
+_stopping = False
+
+
+def _child_init(threads: int, stop: Any) -> None:
     """A worker process of `_run_parallel`: its share of the cores, its log lines on stderr
     with the process's name, SIGINT left to the parent (which stops the workers with
-    SIGTERM, so that each saves its run before it exits)."""
+    SIGTERM, so that each saves its run before it exits), and `stop`, the parent's event
+    that says no further run may start."""
     import signal
 
     import torch
 
+    global _stop_event
+    _stop_event = stop
+
+    def between_runs(_signum: int, _frame: Any) -> None:
+        global _stopping
+        _stopping = True
+
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # during a run the trainer's own handler saves and stops, and puts this one back after
+    signal.signal(signal.SIGTERM, between_runs)
     torch.set_num_threads(threads)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(processName)s %(message)s", force=True
     )
+
+
+def _train_queued(*args: Any) -> RunResult | None:
+    """`_train_run` in a worker, or None once the sweep is stopping: the pool hands a
+    worker the next run as soon as one ends, including the run queued before the signal
+    came, which must not start (it would train to the end while the parent waits)."""
+    if _stopping or (_stop_event is not None and _stop_event.is_set()):
+        return None
+    return _train_run(*args)
 
 
 def _run_parallel(
@@ -859,15 +885,16 @@ def _run_parallel(
     device: str,
     jobs: int,
 ) -> list[RunResult]:
-    """Train (or rescore) the queued runs `jobs` at a time, each in a fresh process, and
+    """Train (or rescore) the queued runs `jobs` at a time in `jobs` worker processes
+    (fresh ones, spawned: each run in a process that has only this sweep's threads), and
     return the results of those that finished, in the order they finished.
 
     A row of the tiny model keeps a GPU busy for a fraction of each step (the step is
     bound by launching kernels from Python), so several rows in parallel processes share
     one GPU at little cost to each. Each run directory is its own; the table is written
     once, by the caller, when all are done. A signal (SIGTERM, Ctrl-C) to this process
-    is passed to the workers, each saves its run, and RecipeStoppedError is raised: the
-    same call resumes.
+    is passed to the workers, each saves its run, no queued run starts, and
+    RecipeStoppedError is raised: the same call resumes.
     """
     import multiprocessing as mp
     import os
@@ -885,18 +912,20 @@ def _run_parallel(
     old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     results: list[RunResult] = []
     failed: list[str] = []
+    ctx = mp.get_context("spawn")
+    stop = ctx.Event()
     pool = ProcessPoolExecutor(
         max_workers=min(jobs, len(queued)),
-        mp_context=mp.get_context("spawn"),
+        mp_context=ctx,
         initializer=_child_init,
-        initargs=(threads,),
+        initargs=(threads, stop),
     )
     try:
-        pending: dict[Future[RunResult], _Plan] = {}
+        pending: dict[Future[RunResult | None], _Plan] = {}
         for p, previous in queued:
             keys = (train_key(p.cfg, data_id), skey)
             args = (exp, p.spec, p.cfg, p.run_dir, prepared, keys, device, None, previous)
-            pending[pool.submit(_train_run, *args)] = p
+            pending[pool.submit(_train_queued, *args)] = p
         log.info("%d runs, %d at a time (%d threads each)", len(pending), jobs, threads)
         while pending:
             done, _ = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
@@ -905,11 +934,14 @@ def _run_parallel(
             for f in done:
                 p = pending.pop(f)
                 try:
-                    results.append(f.result())
+                    result = f.result()
+                    if result is not None:
+                        results.append(result)
                 except Exception as e:  # one row's failure leaves the others running
                     failed.append(f"{p.spec.name} seed {p.cfg.train.seed} ({p.run_dir}): {e}")
                     log.error("row %s seed %d failed: %s", p.spec.name, p.cfg.train.seed, e)
         if received:
+            stop.set()  # before the workers' SIGTERM: a run queued in the pool must not start
             for f in pending:
                 f.cancel()
             for proc in list(getattr(pool, "_processes", {}).values()):
