@@ -935,8 +935,9 @@ def _run_parallel(
                 p = pending.pop(f)
                 try:
                     result = f.result()
-                    if result is not None:
-                        results.append(result)
+                    if result is None:  # its worker alone was sent SIGTERM, between runs
+                        raise RuntimeError("not started: its worker process was stopped")
+                    results.append(result)
                 except Exception as e:  # one row's failure leaves the others running
                     failed.append(f"{p.spec.name} seed {p.cfg.train.seed} ({p.run_dir}): {e}")
                     log.error("row %s seed %d failed: %s", p.spec.name, p.cfg.train.seed, e)
