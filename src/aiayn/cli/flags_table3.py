@@ -41,7 +41,10 @@ directories aside (ROW/seedS.stale-K) and trains them again. Scoring settings al
 Runtime on this machine (2-core AMD EPYC VM, no AMX): configs/table3-multi30k.toml, 19 rows
 of 4,000 steps, ~9 hours for one seed (base row ~0.40 s a step: ~27 minutes; scoring
 ~1 minute a row), each row capped at 120 minutes; ~6 hours on a 2-core Sapphire Rapids;
---seeds 3 triples it. A micro grid (tests/experiments/test_table3.py) takes seconds.
+--seeds 3 triples it. --jobs 2 (a thread each) made ~1.2x the steps an hour, each row
+taking ~1.7x its own minutes: leave C5 (d_model 256, ~3x the base row's FLOPs a step)
+out of it (--rows) and train it alone, or it meets the 120-minute cap. A micro grid
+(tests/experiments/test_table3.py) takes seconds.
 
 examples:
   aiayn table3 configs/table3-multi30k.toml --data ../shared/data/multi30k \\
