@@ -386,17 +386,24 @@ def test_a_signal_to_a_parallel_sweep_saves_the_running_rows_and_starts_no_queue
     # (it is queued in the pool already), which must not start it after the SIGTERM
     exp = t3.load_table3(micro_grid(tmp_path), {"train.max_steps": 400})
     out = tmp_path / "sweep"
-    first = [out / row / "seed1" / "checkpoint_3.pt" for row in ("base", "A1")]
+    # (checkpoint_last.pt: a numbered one may already be gone, train.keep_last)
+    first = [out / row / "seed1" / "checkpoint_last.pt" for row in ("base", "A1")]
+
+    returned = threading.Event()  # no SIGTERM to pytest itself once the sweep is over
 
     def stop_when_both_train() -> None:
         deadline = time.monotonic() + 120
         while not all(f.is_file() for f in first) and time.monotonic() < deadline:
-            time.sleep(0.05)
+            if returned.wait(0.05):
+                return
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=stop_when_both_train, daemon=True).start()
-    with pytest.raises(RecipeStoppedError, match="stopped by SIGTERM: 0 runs finished"):
-        t3.run_table3(exp, out, prepared=small_data, jobs=2)
+    try:
+        with pytest.raises(RecipeStoppedError, match="stopped by SIGTERM: 0 runs finished"):
+            t3.run_table3(exp, out, prepared=small_data, jobs=2)
+    finally:
+        returned.set()
     for row in ("base", "A1"):
         run = out / row / "seed1"
         assert not (run / t3.ROW_FILE).exists()
