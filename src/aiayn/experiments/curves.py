@@ -213,9 +213,10 @@ def plot_runs(
 
 
 def _save(fig: Any, out: str | Path, dpi: int) -> Path:
-    """Write the figure to `out` (its folder made if missing) and free it."""
+    """Lay the figure out, write it to `out` (its folder made if missing) and free it."""
     import matplotlib.pyplot as plt
 
+    fig.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=dpi)
