@@ -836,44 +836,19 @@ def run_table3(
     return report
 
 
-# In a worker of `_run_parallel`: the parent's stop event, and whether this process was
-# sent SIGTERM between runs (a signal handler only sets a flag).
-_stop_event: Any = None
-_stopping = False
-
-
-def _child_init(threads: int, stop: Any) -> None:
+def _child_init(threads: int) -> None:
     """A worker process of `_run_parallel`: its share of the cores, its log lines on stderr
     with the process's name, SIGINT left to the parent (which stops the workers with
-    SIGTERM, so that each saves its run before it exits), and `stop`, the parent's event
-    that says no further run may start."""
+    SIGTERM, so that each saves its run before it exits)."""
     import signal
 
     import torch
 
-    global _stop_event
-    _stop_event = stop
-
-    def between_runs(_signum: int, _frame: Any) -> None:
-        global _stopping
-        _stopping = True
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # during a run the trainer's own handler saves and stops, and puts this one back after
-    signal.signal(signal.SIGTERM, between_runs)
     torch.set_num_threads(threads)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(processName)s %(message)s", force=True
     )
-
-
-def _train_queued(*args: Any) -> RunResult | None:
-    """`_train_run` in a worker, or None once the sweep is stopping: the pool hands a
-    worker the next run as soon as one ends, including the run queued before the signal
-    came, which must not start (it would train to the end while the parent waits)."""
-    if _stopping or (_stop_event is not None and _stop_event.is_set()):
-        return None
-    return _train_run(*args)
 
 
 def _run_parallel(
@@ -912,21 +887,27 @@ def _run_parallel(
     old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     results: list[RunResult] = []
     failed: list[str] = []
-    ctx = mp.get_context("spawn")
-    stop = ctx.Event()
     pool = ProcessPoolExecutor(
         max_workers=min(jobs, len(queued)),
-        mp_context=ctx,
+        mp_context=mp.get_context("spawn"),
         initializer=_child_init,
-        initargs=(threads, stop),
+        initargs=(threads,),
     )
+    todo = list(queued)
+    pending: dict[Future[RunResult], _Plan] = {}
+
+    def submit_next() -> None:
+        # one run per free worker, never more: the pool would queue the rest in its
+        # workers' queue, from where a worker takes the next run even after a stop
+        p, previous = todo.pop(0)
+        keys = (train_key(p.cfg, data_id), skey)
+        args = (exp, p.spec, p.cfg, p.run_dir, prepared, keys, device, None, previous)
+        pending[pool.submit(_train_run, *args)] = p
+
     try:
-        pending: dict[Future[RunResult | None], _Plan] = {}
-        for p, previous in queued:
-            keys = (train_key(p.cfg, data_id), skey)
-            args = (exp, p.spec, p.cfg, p.run_dir, prepared, keys, device, None, previous)
-            pending[pool.submit(_train_queued, *args)] = p
-        log.info("%d runs, %d at a time (%d threads each)", len(pending), jobs, threads)
+        log.info("%d runs, %d at a time (%d threads each)", len(todo), jobs, threads)
+        for _ in range(min(jobs, len(todo))):
+            submit_next()
         while pending:
             done, _ = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
             if received:
@@ -934,17 +915,13 @@ def _run_parallel(
             for f in done:
                 p = pending.pop(f)
                 try:
-                    result = f.result()
-                    if result is None:  # its worker alone was sent SIGTERM, between runs
-                        raise RuntimeError("not started: its worker process was stopped")
-                    results.append(result)
+                    results.append(f.result())
                 except Exception as e:  # one row's failure leaves the others running
                     failed.append(f"{p.spec.name} seed {p.cfg.train.seed} ({p.run_dir}): {e}")
                     log.error("row %s seed %d failed: %s", p.spec.name, p.cfg.train.seed, e)
-        if received:
-            stop.set()  # before the workers' SIGTERM: a run queued in the pool must not start
-            for f in pending:
-                f.cancel()
+                if todo and not received:
+                    submit_next()
+        if received:  # every pending run is running: nothing else was handed to the pool
             for proc in list(getattr(pool, "_processes", {}).values()):
                 if proc.is_alive():
                     os.kill(proc.pid, signal.SIGTERM)
