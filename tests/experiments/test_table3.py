@@ -228,6 +228,17 @@ def test_directions_against_hand_made_numbers():
     assert "opposite (in spread)" in t3.format_table(seeded)
     assert "1 of them within the seeds' spread" in t3.summary(seeded)[0]
     assert "5.20 (4.90-5.50)" in t3.format_table(seeded)
+    # seeds for the base row alone: a one-seed row is in spread when its value lies in
+    # the base row's range, and not when it lies outside
+    base_seeded = [
+        row("base", 5.0, 30.0, seeds=3, spread=0.3),
+        row("C5", 5.2, 29.0, d_model=1024),
+    ]
+    ppl, bleu = t3.compare(base_seeded)["C5"]
+    assert ppl.direction == "opposite" and ppl.within_spread is True
+    assert bleu.direction == "opposite" and bleu.within_spread is False
+    assert "1 of them within the seeds' spread" in t3.summary(base_seeded)[0]
+    assert "0 of them within the seeds' spread" in t3.summary(base_seeded)[1]
 
 
 def test_the_csv_gives_the_same_table_as_markdown(tmp_path):

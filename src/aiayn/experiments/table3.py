@@ -34,7 +34,10 @@ change for the paper row it stands for. "same" when the two changes have one sig
 "opposite" when not, "tie" when either change rounds to zero at the paper's printed
 precision (PPL 0.01, BLEU 0.1): the paper's rows equal to its base (A3's BLEU, E's PPL)
 are ties whatever ours do. With several seeds a row's "within spread" says whether its
-seeds' range (min-max) overlaps its base row's: a change inside the seed spread.
+seeds' range (min-max) overlaps its base row's: a change inside the seed spread. Seeds on
+one side are enough: a one-seed row is within the spread of a base row trained with
+several when its value lies in their range (seeds for the base row alone measure the
+spread at a third of the cost of seeds for every row).
 """
 
 from __future__ import annotations
@@ -1016,7 +1019,7 @@ class TableRow:
 class Verdict:
     """One metric of one row against its base row: our change, the paper's, the direction
     ("same", "opposite", "tie"; "" when either is unknown), and whether our change lies
-    within the seeds' spread (None with one seed)."""
+    within the seeds' spread (None when the row and its base have one seed each)."""
 
     ours: float | None
     paper: float | None
@@ -1046,7 +1049,9 @@ def _verdict(row: TableRow, base: TableRow | None, metric: str) -> Verdict:
         return Verdict(None, paper_delta, "", None)
     ours = value - getattr(base, f"dev_{metric}")
     within = None
-    if row.seeds > 1 and base.seeds > 1:
+    # one side's seeds are enough: a one-seed row against the base row's several seeds
+    # (the cheap way to measure the spread) is within it when its value is in their range
+    if row.seeds > 1 or base.seeds > 1:
         b_lo, b_hi = getattr(base, f"dev_{metric}_min"), getattr(base, f"dev_{metric}_max")
         within = lo <= b_hi and b_lo <= hi
     return Verdict(ours, paper_delta, direction(paper_delta, ours, TIE[metric]), within)
