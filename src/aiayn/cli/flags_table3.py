@@ -27,10 +27,11 @@ from the base row goes the paper's way, PPL and BLEU separately: "same" (one sig
 "opposite", or "tie" when either change rounds to zero at the paper's precision (PPL
 0.01, BLEU 0.1: the paper's A3 BLEU and E PPL equal its base's, so those are ties). With
 several seeds: the mean and the range (min-max), and "(in spread)" where an opposite
-row's range overlaps the base row's (a one-seed row's value, when only the base row has
-several seeds: --rows base --seeds 3 measures the spread). Then one line a metric: "N of
-M rows point the paper's way". DIR gets table3.csv and table3.json; --markdown prints the table for
-docs/results.md, and --csv FILE renders a table3.csv again without training.
+row's range overlaps the base row's (a one-seed row's value, when only the base row
+has several seeds: --rows base --seeds 3 measures the spread). Then one line a metric:
+"N of M rows point the paper's way". DIR gets table3.csv and table3.json; --markdown
+prints the table for docs/results.md, and --csv FILE renders a table3.csv again without
+training.
 
 Resuming: rerun the same command. A run with its table3_row.json is not trained again;
 one without it resumes from its checkpoints. A run whose training settings changed since
