@@ -17,8 +17,10 @@ import pytest
 from aiayn.config import ConfigError, get_preset
 from aiayn.experiments import stages
 from aiayn.experiments import table3 as t3
+from aiayn.experiments.manifest import machine_name
 from aiayn.experiments.recipe_config import load_recipe
 from aiayn.experiments.stages import RecipeStoppedError
+from aiayn.files import InputError
 from aiayn.training.trainer import Hooks
 from helpers import ROOT, cli
 
@@ -103,6 +105,7 @@ def test_micro_sweep_resumes_after_an_interruption_and_refuses_a_changed_row(
     assert marker["steps"] == 6 and marker["stopped_by"] == "max_steps"
     assert marker["dev_ppl"] > 1 and 0 <= marker["dev_bleu"] <= 100
     assert marker["averaged"] == ["checkpoint_3.pt", "checkpoint_6.pt"]
+    assert marker["machine"] == machine_name("cpu") and marker["machine"]
     assert len((base_run / "dev.hyp").read_text().splitlines()) == 40
     stamp = {p.name: p.stat().st_mtime_ns for p in base_run.iterdir()}
     assert train_calls == [base_run]
@@ -138,6 +141,7 @@ def test_micro_sweep_resumes_after_an_interruption_and_refuses_a_changed_row(
     # the table: the paper's layout, one line per finished row, files written
     assert [r.row for r in report.rows] == ["base", "A1"] and report.missing == ["A3"]
     assert report.rows[1].h == 1 and report.rows[1].params == a1["params"]
+    assert report.rows[1].machine == machine_name("cpu")
     text = t3.format_table(report.rows)
     header = text.splitlines()[0].split()
     for column in ("row", "N", "d_model", "d_ff", "h", "d_k", "d_v", "P_drop", "eps_ls"):
@@ -253,6 +257,66 @@ def test_the_csv_gives_the_same_table_as_markdown(tmp_path):
     assert any(line.startswith("| h = 8, d_k = d_v = 16 | A3 |") for line in md)
     code, stdout, _ = cli("table3", "--csv", path, "--markdown")
     assert code == 0 and stdout.strip() == t3.markdown(rows).strip()
+
+
+def test_sweeps_from_two_machines_in_one_table_each_row_against_its_own_base(tmp_path):
+    def row(label, ppl, bleu, machine, seeds=1, spread=0.0, **settings):
+        s = {**t3.settings_of(get_preset("base")), **settings}
+        return t3.TableRow(
+            row=label,
+            paper=label,
+            base="base",
+            **s,
+            steps=100,
+            steps_max=100,
+            seeds=seeds,
+            dev_ppl=ppl,
+            dev_ppl_min=ppl - spread,
+            dev_ppl_max=ppl + spread,
+            dev_bleu=bleu,
+            dev_bleu_min=bleu - spread,
+            dev_bleu_max=bleu + spread,
+            bleu_metric="sacreBLEU",
+            params=1000,
+            source="sweep",
+            machine=machine,
+        )
+
+    # machine one's A1 goes the paper's way against its own base (PPL up, BLEU down) and
+    # would go the other way against machine two's, whose base is worse
+    one = [row("base", 5.0, 30.0, "CPU one", seeds=3, spread=0.1), row("A1", 5.5, 29.0, "CPU one")]
+    two = [row("base", 6.0, 28.0, "CPU two"), row("C7", 5.8, 28.5, "CPU two", d_ff=4096)]
+    paths = []
+    for k, rows in enumerate((one, two)):
+        paths.append(tmp_path / f"sweep{k}.csv")
+        paths[-1].write_text(t3.to_csv(rows))
+    rows = t3.combine([(str(p), t3.read_csv(p)) for p in paths])
+    assert [r.row for r in rows] == ["base (CPU one)", "A1", "base (CPU two)", "C7"]
+    assert [r.base for r in rows] == ["base (CPU one)"] * 2 + ["base (CPU two)"] * 2
+    v = t3.compare(rows)
+    assert set(v) == {"A1", "C7"}
+    assert v["A1"][0].ours == pytest.approx(0.5) and v["A1"][1].ours == pytest.approx(-1.0)
+    assert v["C7"][0].ours == pytest.approx(-0.2) and v["C7"][1].ours == pytest.approx(0.5)
+    assert [x.direction for x in v["A1"] + v["C7"]] == ["same"] * 4
+    assert v["A1"][0].within_spread is False and v["C7"][0].within_spread is None
+    assert t3.summary(rows)[0].startswith("dev PPL: 2 of 2 rows point the paper's way")
+    # the machine is a column when the rows ran on more than one; the paper's layout
+    # blanks a setting equal to the row's own base
+    md = t3.markdown(rows).splitlines()
+    assert md[0].endswith("| PPL way | BLEU way | machine |")
+    assert md[5].startswith("| C7 | C7 |  |  | 4096 |  |") and md[5].endswith("| CPU two |")
+    code, stdout, _ = cli("table3", "--csv", paths[0], "--csv", paths[1], "--markdown")
+    assert code == 0 and stdout.strip() == t3.markdown(rows).strip()
+    # one table alone keeps its base row's name; a row in two tables is refused
+    assert [r.row for r in t3.combine([("one", one)])] == ["base", "A1"]
+    with pytest.raises(InputError, match=r"sweep1\.csv: row A1 is also in .*sweep0\.csv"):
+        t3.combine([(str(paths[0]), one), (str(paths[1]), [*two, one[1]])])
+    # a CSV written before the machine column reads as rows with no machine recorded
+    old = tmp_path / "old.csv"
+    lines = t3.to_csv(one).splitlines()
+    k = lines[0].split(",").index("machine")
+    old.write_text("\n".join(",".join(x.split(",")[:k] + x.split(",")[k + 1 :]) for x in lines))
+    assert [r.machine for r in t3.read_csv(old)] == ["", ""]
 
 
 def test_the_papers_table():

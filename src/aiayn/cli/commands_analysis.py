@@ -118,8 +118,9 @@ def cmd_table3(args: argparse.Namespace) -> int:
 
     if args.config and args.csv:
         raise UsageError("--csv renders a table3.csv already written: not with FILE.toml")
-    if args.csv and not Path(args.csv).is_file():
-        raise UsageError(f"--csv {args.csv}: no such file")
+    for path in args.csv or []:
+        if not Path(path).is_file():
+            raise UsageError(f"--csv {path}: no such file")
     if not (args.config or args.csv or args.import_probes):
         raise UsageError("give FILE.toml (with --out), --csv CSV or --import-probes CSV")
     if args.config and not args.out:
@@ -142,7 +143,8 @@ def cmd_table3(args: argparse.Namespace) -> int:
         base_cfg, recipe = load_recipe(exp.recipe_path if exp else args.probes_recipe)
         extra, left_out = table3.import_probes(args.import_probes, base_cfg, recipe.vocab_size)
     if exp is None:
-        rows = (table3.read_csv(args.csv) if args.csv else []) + extra
+        rows = table3.combine([(path, table3.read_csv(path)) for path in args.csv or []])
+        rows += extra
         report = table3.Table3Report(rows, [], [])
         if args.out and not args.csv:
             Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -31,7 +31,9 @@ row's range overlaps the base row's (a one-seed row's value, when only the base 
 has several seeds: --rows base --seeds 3 measures the spread). Then one line a metric:
 "N of M rows point the paper's way". DIR gets table3.csv and table3.json; --markdown
 prints the table for docs/results.md, and --csv FILE renders a table3.csv again without
-training.
+training; several --csv put sweeps from several machines in one table, each row against
+the base row of its own file (its own machine's bf16 kernels), the base rows named by the
+machine they trained on (table3_row.json and the CSV record it).
 
 Resuming: rerun the same command. A run with its table3_row.json is not trained again;
 one without it resumes from its checkpoints. A run whose training settings changed since
@@ -55,6 +57,7 @@ examples:
       --seeds 3 --max-minutes-per-row 30
   aiayn table3 configs/table3-multi30k.toml --out runs/table3 --no-train --markdown
   aiayn table3 --csv runs/table3/table3.csv --markdown
+  aiayn table3 --csv docs/table3-amd-epyc.csv --csv runs/table3/table3.csv --markdown
   aiayn table3 --import-probes docs/m30k-en-de-probes.csv --out runs/probes-table3""",
     )
     p.add_argument(
@@ -143,7 +146,10 @@ examples:
     p.add_argument(
         "--csv",
         metavar="CSV",
-        help="render this table3.csv (not with FILE.toml; default: none)",
+        action="append",
+        help="render this table3.csv (not with FILE.toml); repeat it to put sweeps from "
+        "several machines in one table, each row against its own file's base row, the base "
+        "rows named by their machines (default: none)",
     )
     p.add_argument("--markdown", action="store_true", help="print the table as markdown")
     p.add_argument("--json", action="store_true", help="print table3.json's content instead")

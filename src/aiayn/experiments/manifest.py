@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import platform
+import re
 import sys
 from importlib import metadata
 from pathlib import Path
@@ -59,6 +60,19 @@ def cpu_kernels() -> dict[str, Any]:
 
 def _cpu_name() -> str:
     return _cpuinfo("model name") or platform.processor()
+
+
+def machine_name(device: str = "cpu") -> str:
+    """The machine a run ran on, in a few words, for tables that put runs from several
+    machines side by side: the GPU's name, or the CPU's model with the bf16 units that
+    decide how its bf16 sums round (`cpu_kernels`), e.g. "AMD EPYC 9R14, AVX-512 BF16"."""
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name(torch.device(device))
+    name = re.sub(r"\((R|TM)\)|\bProcessor\b|\bCPU\b|@.*$|\d+-Core", "", _cpu_name())
+    name = " ".join(name.split()) or "CPU"
+    kernels = cpu_kernels()
+    units = "AMX" if kernels["amx_bf16"] else "AVX-512 BF16" if kernels["avx512_bf16"] else ""
+    return f"{name}, {units}" if units else name
 
 
 def _cpuinfo(field: str) -> str:

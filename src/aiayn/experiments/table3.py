@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiayn.config import Config, ConfigError, DecodeConfig, apply_overrides, get_preset
 from aiayn.experiments import stages
+from aiayn.experiments.manifest import machine_name
 from aiayn.experiments.recipe_config import RecipeConfig, load_recipe
 from aiayn.files import UsageError, write_text_atomic
 
@@ -439,6 +440,7 @@ class RunResult:
     averaged: list[str]
     train_key: dict[str, Any] = field(default_factory=dict)
     score_key: dict[str, Any] = field(default_factory=dict)
+    machine: str = ""  # `manifest.machine_name`; "" for runs scored before it was kept
 
 
 def _data_id(prepared: Path) -> dict[str, Any]:
@@ -561,7 +563,9 @@ def read_run(run_dir: Path) -> RunResult | None:
         return None
     try:
         d = json.loads(path.read_text(encoding="utf-8"))
-        return RunResult(**{f.name: d[f.name] for f in fields(RunResult)})
+        optional = {"machine"}  # added later: older runs' files lack it
+        kept = [f.name for f in fields(RunResult) if f.name in d or f.name not in optional]
+        return RunResult(**{name: d[name] for name in kept})
     except (ValueError, KeyError, TypeError) as e:
         log.warning("%s: unreadable (%s): the row is trained again", path, e)
         return None
@@ -608,6 +612,7 @@ def _train_run(
         averaged=averaged,
         train_key=keys[0],
         score_key=keys[1],
+        machine=machine_name(device),
         **summary,
         **scores,
     )
@@ -975,6 +980,7 @@ def aggregate(exp: Table3Experiment, results: Sequence[RunResult]) -> list[Table
                 params=runs[0].params,
                 source="sweep",
                 note=spec.note,
+                machine="; ".join(sorted({r.machine for r in runs if r.machine})),
             )
         )
     return rows
@@ -1013,6 +1019,7 @@ class TableRow:
     params: int | None
     source: str
     note: str = ""
+    machine: str = ""  # where the row trained (`manifest.machine_name`); "" if not recorded
 
 
 @dataclass(frozen=True)
@@ -1121,6 +1128,8 @@ def cells(rows: Sequence[TableRow]) -> tuple[list[str], list[list[str]]]:
     header += ["steps"] + (["seeds"] if with_seeds else []) + ["dev PPL", "dev BLEU"]
     header += ["BLEU"] if len(metrics) > 1 else []
     header += ["params", "paper PPL", "paper BLEU", "paper params", "PPL way", "BLEU way"]
+    with_machine = len({r.machine for r in rows}) > 1
+    header += ["machine"] if with_machine else []
     body = []
     for r in rows:
         base = by_label.get(r.base)
@@ -1148,6 +1157,7 @@ def cells(rows: Sequence[TableRow]) -> tuple[list[str], list[list[str]]]:
         ]
         v = verdicts.get(r.row)
         line += ["", ""] if v is None else [_way(v[0]), _way(v[1])]
+        line += [r.machine] if with_machine else []
         body.append(line)
     return header, body
 
@@ -1172,6 +1182,9 @@ def markdown(rows: Sequence[TableRow]) -> str:
 
 
 # --------------------------------------------------------------------------- files
+#: TableRow's columns a CSV may lack (written by a version before them): their defaults.
+_OPTIONAL_COLUMNS = ("note", "machine")
+
 #: Columns the CSV adds after TableRow's own: derived, ignored when it is read back.
 DERIVED = (
     "paper_ppl",
@@ -1235,12 +1248,15 @@ def read_csv(path: str | Path) -> list[TableRow]:
         raise InputError(f"{path}: not UTF-8 text (byte {e.start}): not a table3.csv") from None
     with io.StringIO(text, newline="") as f:
         reader = csv.DictReader(f)
-        missing = [n for n in types if n not in (reader.fieldnames or [])]
+        have = set(reader.fieldnames or [])
+        missing = [n for n in types if n not in have and n not in _OPTIONAL_COLUMNS]
         if missing:
             raise InputError(f"{path}: not a table3 CSV (no column {', '.join(missing)})")
         for line, raw in enumerate(reader, start=2):
             values: dict[str, Any] = {}
             for name, typ in types.items():
+                if name not in have:
+                    continue  # an optional column, from before it was written: its default
                 text = raw[name]
                 try:
                     if text == "" and "None" in str(typ):
@@ -1255,6 +1271,42 @@ def read_csv(path: str | Path) -> list[TableRow]:
                     raise InputError(f"{path}, line {line}: {name} = {text!r}") from None
             rows.append(TableRow(**values))
     return rows
+
+
+def combine(tables: Sequence[tuple[str, Sequence[TableRow]]]) -> list[TableRow]:
+    """Several tables (e.g. sweeps on different machines) as one, each row still measured
+    against the base row of its own table.
+
+    `tables` is (name, rows) per table, the name a file's for messages. Where more than
+    one table has a row called "base", each is renamed "base (MACHINE)", MACHINE being
+    the machine its table's base row trained on (or the table's name where none is
+    recorded), and the rows that pointed at it follow: a row's change is measured on the
+    machine that trained it, where the bf16 kernels (and the base) are its own.
+
+    Raises:
+        InputError: a row name (other than "base") in two tables, naming both.
+    """
+    from aiayn.files import InputError
+
+    bases = sum(1 for _, rows in tables if any(r.row == "base" for r in rows))
+    out: list[TableRow] = []
+    seen: dict[str, str] = {}
+    for name, rows in tables:
+        rename: dict[str, str] = {}
+        if bases > 1:
+            base = next((r for r in rows if r.row == "base"), None)
+            if base is not None:
+                rename["base"] = f"base ({base.machine or Path(name).stem})"
+        for r in rows:
+            label = rename.get(r.row, r.row)
+            if label in seen:
+                raise InputError(
+                    f"{name}: row {label} is also in {seen[label]}: a row can be in one table "
+                    "only (a machine's second base row needs its own machine name)"
+                )
+            seen[label] = name
+            out.append(replace(r, row=label, base=rename.get(r.base, r.base)))
+    return out
 
 
 def to_json(report: Table3Report, exp: Table3Experiment | None = None) -> dict[str, Any]:
