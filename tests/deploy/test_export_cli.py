@@ -20,9 +20,9 @@ from aiayn.files import read_lines
 from helpers import MULTI30K, SMALL_TRAINING, assert_one_line_error, cli, tiny_config
 
 #: 300 steps of a one-layer d_model 64 model (about 8 s on one core): its 40 greedy
-#: outputs of the held-out lines all differ, are 5 to 58 subwords long, each ending at
-#: least 38 tokens before its length cap, and often stutter (as a weakly trained
-#: model's do).
+#: outputs of the held-out lines all differ, are 5 to 58 subwords long and often stutter
+#: (as a weakly trained model's do); on some machines one loops to its length cap (the
+#: training's arithmetic differs between CPUs), which the tests allow for.
 TRAINED = {
     **SMALL_TRAINING,
     "d_model": 64,
