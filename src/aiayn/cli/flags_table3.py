@@ -57,7 +57,8 @@ examples:
       --seeds 3 --max-minutes-per-row 30
   aiayn table3 configs/table3-multi30k.toml --out runs/table3 --no-train --markdown
   aiayn table3 --csv runs/table3/table3.csv --markdown
-  aiayn table3 --csv docs/table3-amd-epyc.csv --csv runs/table3/table3.csv --markdown
+  aiayn table3 --csv docs/table3-multi30k-amd-epyc.csv --csv runs/table3/table3.csv \\
+      --markdown
   aiayn table3 --import-probes docs/m30k-en-de-probes.csv --out runs/probes-table3""",
     )
     p.add_argument(
