@@ -100,3 +100,18 @@ def test_results_table3_section_is_generated_from_the_probes_csv() -> None:
     rows, _ = table3.import_probes(probes, base_cfg, recipe.vocab_size)
     text = (ROOT / "docs" / "results.md").read_text(encoding="utf-8")
     assert table3.markdown(rows) in _section(text, "Table 3's rows among the probes")
+
+
+def test_analysis_table3_sweep_is_generated_from_the_sweeps_csvs() -> None:
+    """docs/analysis.md's sweep table is `aiayn table3 --csv AMD --csv SPR --markdown`, as
+    is: a row added to either CSV, or a number edited by hand in the table, fails here."""
+    from aiayn.experiments import table3
+
+    csvs = [ROOT / "docs" / f"table3-multi30k-{m}.csv" for m in ("amd-epyc", "sapphire-rapids")]
+    rows = table3.combine([(str(p), table3.read_csv(p)) for p in csvs])
+    assert len(rows) == 20  # the paper's 18 rows that change the base + a base row per machine
+    text = (ROOT / "docs" / "analysis.md").read_text(encoding="utf-8")
+    body = _section(text, "The sweep (19 rows")
+    assert table3.markdown(rows) in body
+    for line in table3.summary(rows):
+        assert line in body

@@ -243,6 +243,15 @@ def test_directions_against_hand_made_numbers():
     assert bleu.direction == "opposite" and bleu.within_spread is False
     assert "1 of them within the seeds' spread" in t3.summary(base_seeded)[0]
     assert "0 of them within the seeds' spread" in t3.summary(base_seeded)[1]
+    # two machines' sweeps in one table: an opposite row whose base has one seed is named
+    # as unjudged rather than counted outside the spread
+    two_bases = [
+        *base_seeded,
+        row("base (b)", 5.0, 30.0, base="base (b)", paper="base"),
+        row("C5b", 5.2, 29.0, base="base (b)", paper="C5", d_model=1024),
+    ]
+    line = t3.summary(two_bases)[0]
+    assert "2 opposite (C5, C5b; 1 of them within the seeds' spread, C5b one seed a side)" in line
 
 
 def test_the_csv_gives_the_same_table_as_markdown(tmp_path):

@@ -1091,9 +1091,12 @@ def summary(rows: Sequence[TableRow]) -> list[str]:
         )
         if opposite:
             covered = [k for k in opposite if judged[k].within_spread]
+            unjudged = [k for k in opposite if judged[k].within_spread is None]
             line += f" ({', '.join(opposite)}"
-            if any(judged[k].within_spread is not None for k in opposite):
+            if len(unjudged) < len(opposite):
                 line += f"; {len(covered)} of them within the seeds' spread"
+                if unjudged:  # one seed for the row and its base: no spread to measure
+                    line += f", {', '.join(unjudged)} one seed a side"
             line += ")"
         line += f", {len(ties)} tie{'' if len(ties) == 1 else 's'}"
         line += f" ({', '.join(ties)})" if ties else ""
