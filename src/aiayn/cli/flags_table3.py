@@ -47,8 +47,8 @@ of 4,000 steps, ~9 hours for one seed (base row ~0.40 s a step: ~27 minutes; sco
 ~1 minute a row), each row capped at 120 minutes; ~6 hours on a 2-core Sapphire Rapids;
 --seeds 3 triples it. --jobs 2 (a thread each) made ~1.2x the steps an hour, each row
 taking ~1.7x its own minutes: leave C5 (d_model 256, ~3x the base row's FLOPs a step)
-out of it (--rows) and train it alone, or it meets the 120-minute cap (on Sapphire
-Rapids, --jobs 2: 64 minutes for C5, ~37 for a base-sized row). A micro grid
+out of it (--rows) and train it alone, or it meets the 120-minute cap. On a 2-core
+Sapphire Rapids with --jobs 2, C5 took 64 minutes and a base-sized row 35-40. A micro grid
 (tests/experiments/test_table3.py) takes seconds.
 
 examples:
