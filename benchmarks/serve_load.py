@@ -52,7 +52,7 @@ def _server(engine: str, checkpoint: str, port: int, opts: dict[str, Any]) -> No
 
     limits = ServerLimits(batch_wait_ms=opts["batch_wait_ms"], max_queue=4096)
     if engine == "aiayn":
-        from aiayn.fast.inference import cast_for_inference
+        from aiayn.fast.machine import cast_for_inference
 
         models, tokenizer, cfg = load_ensemble([checkpoint])
         model = cast_for_inference(models[0].eval(), opts["dtype"])

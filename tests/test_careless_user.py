@@ -436,8 +436,10 @@ def test_sigterm_during_a_recipe_stops_the_recipe(tmp_path: Path) -> None:
     assert (out / "checkpoint_4.pt").exists()
     assert not (out / "checkpoint_avg.pt").exists() and not (out / "results.json").exists()
     proc = subprocess.run(args, env=ENV, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads((out / "results.json").read_text())["train"]["steps"] == 6
+    results = json.loads((out / "results.json").read_text())
+    # done: 0, or 3 where six steps left the model unusable (results.json says so)
+    assert proc.returncode == (3 if "not_trained_enough" in results else 0), proc.stderr[-3000:]
+    assert results["train"]["steps"] == 6
 
 
 # --------------------------------------------------------------------------- 12: the log

@@ -16,6 +16,7 @@ PACKAGE = ROOT / "src" / "aiayn"
 LAYERS = {
     "__init__": 0,
     "config": 0,
+    "cpu_isa": 0,
     "files": 0,
     "model": 1,
     "scoring": 1,

@@ -113,7 +113,10 @@ class TrainConfig:
     # for small corpora; validation and decoding never use it. The draws depend on (seed,
     # epoch) only. Measured: docs/results.md, "How the recipe was chosen".
     bpe_dropout: float = 0.0
-    dtype: DType = "fp32"
+    # compute precision (autocast; master weights and Adam in fp32): "auto" is what this
+    # machine trains fastest in (bf16 on GPUs and CPUs that multiply it natively, fp32 where
+    # bf16 would be emulated: aiayn.fast.machine), else "fp32", "bf16" or "fp16"
+    dtype: DType = "auto"
     # torch.compile the model's forward (dynamic shapes): fused element-wise kernels and
     # fewer launches, for GPUs (slower on a 2-core CPU). Off by default, as it costs minutes
     # of compiling; measured: docs/performance.md.

@@ -22,7 +22,8 @@ from aiayn.decoding.translate import (
     translate_lines,
     translate_nbest,
 )
-from aiayn.fast.inference import Int8Linear, can_pack_bf16, cast_for_inference
+from aiayn.fast.inference import Int8Linear, can_pack_bf16
+from aiayn.fast.machine import cast_for_inference
 from aiayn.model import Transformer
 from helpers import fast_transformer
 
@@ -341,7 +342,7 @@ def test_unseen_characters_become_unk_and_are_counted(small_data: Path, tmp_path
 def test_inference_precisions_translate_every_line(model: EosRamp) -> None:
     """Decoding in bf16 or int8 (dynamic quantization) keeps the line-for-line contract, and
     int8 quantizes every Linear; an unknown precision is refused by name."""
-    from aiayn.fast.inference import cast_for_inference
+    from aiayn.fast.machine import cast_for_inference
 
     lines = sentences(12)
     ref = translate_lines(model, TOK, lines, CFG)
@@ -366,7 +367,8 @@ def test_packed_bf16_linears_match_plain_bf16_and_keep_the_model_intact() -> Non
     state_dict keys, the tied embedding and copy/pickle must survive the packing."""
     import pickle
 
-    from aiayn.fast.inference import PackedLinear, cast_for_inference
+    from aiayn.fast.inference import PackedLinear
+    from aiayn.fast.machine import cast_for_inference
 
     torch.manual_seed(0)
     for bias in (True, False):
@@ -494,7 +496,7 @@ def test_tune_alpha_keeps_the_alpha_whose_translations_match_the_references(
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "int8"])
 def test_bf16_decoding_warns_where_bf16_is_slower_than_fp32(monkeypatch, caplog, dtype):
-    import aiayn.fast.inference as translate_module
+    import aiayn.fast.machine as translate_module
 
     monkeypatch.setattr(
         translate_module, "slow_bf16_warning", lambda device: f"bf16 is slow on {device}"
@@ -505,3 +507,48 @@ def test_bf16_decoding_warns_where_bf16_is_slower_than_fp32(monkeypatch, caplog,
     with caplog.at_level(logging.WARNING, logger="aiayn.decoding.translate"):
         cast_for_inference(model, dtype)
     assert ("bf16 is slow on cpu" in caplog.text) == (dtype == "bf16")
+
+
+def test_tune_alpha_screens_a_model_that_is_not_usable_before_the_grid(
+    model: EosRamp, tmp_path
+) -> None:
+    """With more validation sentences than the screen, the first ones are decoded at the
+    grid's first alpha; a model scoring below UNUSABLE_BLEU there (references that share
+    no word with its outputs) keeps the configured alpha and no alpha is decoded."""
+    from aiayn.experiments.recipe import UNUSABLE_BLEU, tune_alpha
+
+    lines = sentences(12, seed=3)
+    src = tmp_path / "val.src"
+    src.write_text("".join(x + "\n" for x in lines), encoding="utf-8")
+    ref = tmp_path / "val.ref"
+    ref.write_text("zzz qqq\n" * len(lines), encoding="utf-8")
+    decode, record = tune_alpha(
+        model, TOK, src, ref, "en", CFG, (0.0, 1.4), tmp_path / "tune", screen=5
+    )
+    assert decode == CFG and record["skipped"] and record["tried"] == []
+    assert record["screen"]["sentences"] == 5 and record["screen"]["sacrebleu"] < UNUSABLE_BLEU
+    assert not list((tmp_path / "tune").glob("alpha*.hyp"))
+    # a usable model goes on to the grid after the screen
+    good = tmp_path / "good.ref"
+    good.write_text(
+        "".join(x + "\n" for x in translate_lines(model, TOK, lines, CFG)), encoding="utf-8"
+    )
+    decode, record = tune_alpha(
+        model, TOK, src, good, "en", CFG, (0.0, 1.4), tmp_path / "tune2", screen=5
+    )
+    assert "skipped" not in record and len(record["tried"]) == 2
+    assert record["sentences"] == 12
+
+
+def test_a_model_near_bleu_0_is_reported_as_not_trained_enough() -> None:
+    from aiayn.experiments.recipe import USABLE_STEPS, not_trained_enough
+
+    train = {"steps": 5, "train_seconds": 600.0, "tokens": 60_000}
+    flag = not_trained_enough(0.0, train, 10, "fp32")
+    assert flag is not None and flag["steps"] == 5 and flag["tokens_per_s"] == 100.0
+    # 5 steps in 10 minutes: USABLE_STEPS take 10 * USABLE_STEPS / 5 minutes, in fives
+    assert flag["suggested_minutes"] == 10 * USABLE_STEPS // 5
+    msg = flag["message"]
+    assert msg.startswith("not trained enough: 5 steps in 10.0 minutes at 100 tokens/s")
+    assert f"MINUTES={flag['suggested_minutes']}" in msg and "fp32" in msg
+    assert not_trained_enough(25.0, train, 10, "fp32") is None

@@ -204,7 +204,9 @@ def test_concurrent_clients_get_the_cli_output_of_their_own_sentences(
     # the CLI itself, on a file of the same sentences, agrees with the expectation above
     src = tmp_path / "src.txt"
     src.write_text("".join(t + "\n" for t in texts), encoding="utf-8")
-    code, out, err = cli("translate", "--checkpoint", checkpoint, "--input", src, "--no-progress")
+    code, out, err = cli(
+        "translate", "--checkpoint", checkpoint, "--input", src, "--no-progress", "--dtype", "fp32"
+    )  # float32, as the backend above (the default, auto, may quantize)
     assert code == 0, err
     assert out.splitlines() == expected(backend, texts, 4)
 
@@ -499,7 +501,7 @@ def test_sigterm_finishes_requests_in_flight_and_exits_0(
 ) -> None:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = _serve(checkpoint, port, "--max-beam", "64", "--workers", "2")
+    proc = _serve(checkpoint, port, "--max-beam", "64", "--workers", "2", "--dtype", "fp32")
     try:
         _wait_healthy(url, proc)
         texts = _texts(64, seed=5)  # beam 64 on 64 sentences: some seconds of work

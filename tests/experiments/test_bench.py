@@ -218,7 +218,7 @@ def _slow_bf16_warning_in_a_process(env: dict[str, str]) -> str:
     import subprocess
     import sys
 
-    code = "from aiayn.fast.flops import slow_bf16_warning; print(slow_bf16_warning('cpu'))"
+    code = "from aiayn.fast.machine import slow_bf16_warning; print(slow_bf16_warning('cpu'))"
     done = subprocess.run(
         [sys.executable, "-c", code],
         env={**os.environ, **env},
@@ -235,7 +235,8 @@ def test_slow_bf16_warning_on_a_cpu_without_native_bf16():
     # oneDNN held to AVX2 (as on a CPU without AVX-512): bf16 products fall back to generic
     # code, tens of times slower than float32, and the check must say so with both rates.
     text = _slow_bf16_warning_in_a_process({"ONEDNN_MAX_CPU_ISA": "AVX2"})
-    assert "no native bf16" in text and "GFLOP/s" in text and "--set train.dtype=fp32" in text
+    assert "no native bf16" in text and "GFLOP/s" in text and "class avx2" in text
+    assert "dtype auto (the default) picks float32" in text
 
 
 def test_no_slow_bf16_warning_where_the_cpu_has_native_bf16():

@@ -117,7 +117,8 @@ def test_beam_and_greedy_search_match_the_cpu(nbest: int):
 def test_bf16_inference_on_cuda_stays_close_to_fp32():
     """cast_for_inference("bf16") on a GPU model: plain bf16 linears (oneDNN packing is for
     the CPU only), and a greedy search that mostly agrees with fp32's."""
-    from aiayn.fast.inference import PackedLinear, cast_for_inference
+    from aiayn.fast.inference import PackedLinear
+    from aiayn.fast.machine import cast_for_inference
 
     model = bench.random_model("tiny", VOCAB).cuda().eval()
     src = bench.random_batch(64, VOCAB, lo=5, hi=20, seed=6).cuda()
@@ -288,7 +289,7 @@ def test_bench_runs_on_cuda():
 
 def test_int8_is_refused_on_cuda():
     """Dynamic quantization is a CPU feature: asking for it on a GPU model fails clearly."""
-    from aiayn.fast.inference import cast_for_inference
+    from aiayn.fast.machine import cast_for_inference
 
     model = fast_transformer(replace(get_preset("tiny").model, vocab_size=VOCAB)).cuda()
     with pytest.raises(ValueError, match="CPU"):

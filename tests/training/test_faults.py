@@ -293,7 +293,21 @@ def test_preflight_leaves_the_run_unchanged(small_data: Path, tmp_path: Path) ->
     )
     (ev,) = events(tmp_path / "True", "preflight")
     assert ev["step"] == 0 and 1 <= len(ev["shapes"]) <= 3 and ev["peak_gib"] > 0
+    assert ev["not_tried"] == 0
     assert events(tmp_path / "False", "preflight") == []
+
+
+@pytest.mark.rows("C7")
+def test_preflight_is_bounded_in_time(small_data: Path, tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Past its time budget the check tries no further batch (the first always runs): where
+    each large batch took a minute (bf16 emulated on an AVX2 CPU) it cost minutes."""
+    from aiayn.training import guards
+
+    monkeypatch.setattr(guards, "PREFLIGHT_SECONDS", 0.0)
+    train(cfg(preflight=True, max_steps=2), small_data, tmp_path / "run")
+    (ev,) = events(tmp_path / "run", "preflight")
+    picked = len(ev["shapes"]) + ev["not_tried"]
+    assert len(ev["shapes"]) == 1 and picked >= 2, ev
 
 
 @pytest.mark.rows("C7")

@@ -274,16 +274,19 @@ def test_a_nonfinite_loss_in_fp16_is_the_guards_not_the_scalers(
 
 
 def test_auto_resolves_per_device_and_config_accepts_fp16(tmp_path: Path) -> None:
-    """ "auto": fp32 on the CPU (what CUDA resolves to is the CUDA test's); fp16 and auto
-    are valid config values, anything else is refused."""
+    """ "auto": this machine's choice on the CPU (`machine.best`, checked for every CPU
+    class in tests/fast/test_machine.py; CUDA's is the CUDA test's); fp16 and auto are
+    valid config values, anything else is refused."""
+    from aiayn.fast import machine
+
     cpu = torch.device("cpu")
-    assert precision.resolve_dtype("auto", cpu) == "fp32"
+    assert precision.resolve_dtype("auto", cpu) == machine.best().train_dtype
     assert [precision.resolve_dtype(d, cpu) for d in ("fp32", "bf16", "fp16")] == [
         "fp32",
         "bf16",
         "fp16",
     ]
-    assert not precision.make_scaler("auto", cpu).is_enabled()
+    assert not precision.make_scaler("auto", cpu).is_enabled()  # never fp16 on a CPU
     assert precision.make_scaler("fp16", cpu).is_enabled()
     for dtype in ("fp16", "auto"):
         cfg(dtype=dtype).validate()

@@ -219,7 +219,7 @@ def run_attention(
     `text` with beam `beam` (default: the checkpoint's), draw the PNGs into `out`, and with
     `numbers` write out/attention.json. Returns the translation, the tokens and the files."""
     from aiayn.checkpoints import load_ensemble
-    from aiayn.fast.inference import cast_for_inference
+    from aiayn.fast.machine import cast_for_inference
 
     models, tokenizer, cfg = load_ensemble([checkpoint], device=device)
     model = cast_for_inference(models[0], dtype)

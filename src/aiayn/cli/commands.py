@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -15,6 +16,8 @@ from typing import Any
 
 from aiayn.config import Config, apply_overrides, get_preset, load_experiment, parse_set_args
 from aiayn.files import UsageError, check_output_file
+
+log = logging.getLogger("aiayn")
 
 #: `train` and `info` flags that set a config key: (argparse dest, config key).
 CONFIG_FLAGS = (
@@ -273,7 +276,7 @@ def _load_decoder(
     --dtype; the config with the decoding flags given (and `extra`) applied."""
     from aiayn.checkpoints import load_ensemble
     from aiayn.decoding.ensemble import as_decoder
-    from aiayn.fast.inference import cast_for_inference
+    from aiayn.fast.machine import cast_for_inference
 
     check_device(args.device)
     source = getattr(args, "input", None)  # serve has none
@@ -285,6 +288,12 @@ def _load_decoder(
     if source is not None and not Path(source).exists():
         raise UsageError(f"--input {source}: no such file")
     models, tokenizer, cfg = load_ensemble([Path(p) for p in args.checkpoint], device=args.device)
+    if args.device.split(":")[0] == "cpu":  # what runs here, before the work
+        from aiayn.fast import machine
+
+        dtype = machine.resolve_decode_dtype(args.dtype)
+        log.info("%s", machine.describe())
+        log.info("decoding in %s%s", dtype, " (--dtype auto)" if args.dtype == "auto" else "")
     model = as_decoder([cast_for_inference(m, args.dtype) for m in models])
     overrides = {
         f"decode.{flag}": getattr(args, flag)
@@ -411,7 +420,7 @@ def cmd_recipe(args: argparse.Namespace) -> int:
         return 0
     print(format_results(results))
     print(f"results: {Path(args.out) / 'results.json'}")
-    return 0
+    return 3 if results.get("not_trained_enough") else 0
 
 
 def _lengths(text: str) -> tuple[int, int]:
@@ -425,6 +434,20 @@ def _lengths(text: str) -> tuple[int, int]:
     return lo, hi
 
 
+def _resolve_bench_dtype(dtype: str, what: str, device: str) -> str:
+    """bench's --dtype with "auto" made what train (train, peak) or translate (decode)
+    would run on this machine."""
+    if dtype != "auto":
+        return dtype
+    if what == "decode":
+        from aiayn.fast.machine import resolve_decode_dtype
+
+        return resolve_decode_dtype("auto", device)
+    from aiayn.training.precision import resolve_dtype
+
+    return resolve_dtype("auto", device)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     """`aiayn bench`: one measurement per dtype, a line (or JSON object) each."""
     from aiayn.experiments import bench
@@ -434,7 +457,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
-    for dtype in args.dtype.split(","):
+    for requested in args.dtype.split(","):
+        dtype = _resolve_bench_dtype(requested, args.what, args.device)
         if args.what == "peak":
             result = bench.bench_peak(dtype, args.device)
         elif args.what == "train":
@@ -462,6 +486,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 workers=args.workers,
                 vocab=args.vocab_size,
             )
+        if requested == "auto":
+            result["dtype_requested"] = "auto"
         if args.json:
             print(json.dumps(result), flush=True)
         else:
@@ -517,12 +543,18 @@ def cmd_info(args: argparse.Namespace) -> int:
     model_cfg = replace(cfg.model, vocab_size=args.vocab_size)
     with torch.device("meta"):
         n = count_parameters(Transformer(model_cfg))
+    from aiayn.fast import machine
+
+    if args.reprobe:
+        machine.probe(refresh=True)
+        machine.best.cache_clear()
     info = {
         "preset": args.config or args.preset or "base",
         "vocab_size": args.vocab_size,
         "parameters": n,
         "parameters_formula": parameter_formula(model_cfg),
         "config": replace(cfg, model=model_cfg).to_dict(),
+        "machine": {"cpu": machine.cpu().model, **machine.best().to_dict()},
     }
     if args.json:
         print(json.dumps(info, indent=2))
@@ -534,6 +566,7 @@ def cmd_info(args: argparse.Namespace) -> int:
             f"positional={m.positional}"
         )
         print(f"parameters: {n:,} ({n / 1e6:.1f}M) with a shared vocabulary of {args.vocab_size:,}")
+        print(machine.describe())
     return 0
 
 

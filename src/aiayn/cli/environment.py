@@ -13,6 +13,9 @@ Both are environment variables that a library cannot set for itself once the pro
   compile its kernels again on every step. oneDNN reads the capacity when it makes its
   first primitive, so it is raised to `ONEDNN_PRIMITIVE_CACHE_CAPACITY` here, first thing,
   unless the user set it (ONEDNN_ or the older DNNL_ name).
+- `AIAYN_CPU_ISA=CLASS` (e.g. avx2) holds the process to a CPU class: the libraries' own
+  ceilings (oneDNN's, ATen's, MKL's, CTranslate2's) are set from it here, before torch
+  reads them (`aiayn.cpu_isa.isa_environment`), so a bigger CPU runs what that class runs.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import os
 import sys
 
 from aiayn.config import ONEDNN_PRIMITIVE_CACHE_CAPACITY
+from aiayn.cpu_isa import apply_isa_environment
 
 #: Kernels oneDNN keeps compiled (its own default: 1,024).
 ONEDNN_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY")
@@ -58,5 +62,6 @@ def apply_process_settings(argv: list[str], *, reexec: bool = True) -> None:
     called in-process, e.g. by tests) never replaces the running process.
     """
     set_onednn_cache_capacity()
+    apply_isa_environment()
     if reexec:
         _maybe_reexec_with_malloc_settings(argv)

@@ -168,8 +168,10 @@ examples:
     p.add_argument(
         "--dtype",
         default="fp32",
-        choices=["fp32", "bf16", "int8"],
-        help="inference precision, as for translate",
+        choices=["auto", "fp32", "bf16", "int8"],
+        help="inference precision, as for translate; float32 by default, unlike translate's "
+        "auto: the pictures show the weights as the model computes them, not as a faster "
+        "precision rounds them",
     )
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ...")
     return p

@@ -126,9 +126,9 @@ examples:
     p.add_argument("--port", type=int, default=8000, help="TCP port")
     p.add_argument(
         "--dtype",
-        default="fp32",
-        choices=["fp32", "bf16", "int8"],
-        help="inference precision, as in `aiayn translate`",
+        default="auto",
+        choices=["auto", "fp32", "bf16", "int8"],
+        help="inference precision, as for translate (auto: this machine's fastest)",
     )
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ...")
     p.add_argument(

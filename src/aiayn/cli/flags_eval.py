@@ -86,10 +86,13 @@ examples:
     )
     p.add_argument(
         "--dtype",
-        default="fp32",
-        choices=["fp32", "bf16", "int8"],
-        help="inference precision (bf16: weights and activations, on x86 CPUs "
-        "with weights packed for oneDNN once; int8: dynamic quantization, CPU)",
+        default="auto",
+        choices=["auto", "fp32", "bf16", "int8"],
+        help="inference precision: auto (the default) is the one this machine decodes "
+        "fastest in, measured once and cached (`aiayn info` shows it), whatever the "
+        "checkpoint trained in; bf16: weights and activations, on x86 CPUs with weights "
+        "packed for oneDNN once (fast with AMX or AVX-512 BF16, emulated and slow "
+        "elsewhere); int8: dynamic quantization, CPU",
     )
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ...")
     p.add_argument(
@@ -239,9 +242,9 @@ examples:
     )
     p.add_argument(
         "--dtype",
-        default="fp32",
-        choices=["fp32", "bf16", "int8"],
-        help="inference precision, as for translate",
+        default="auto",
+        choices=["auto", "fp32", "bf16", "int8"],
+        help="inference precision, as for translate (auto: this machine's fastest)",
     )
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ...")
     p.add_argument(
@@ -337,10 +340,11 @@ examples:
     p.add_argument("--preset", default="base", metavar="NAME", help=preset_help())
     p.add_argument(
         "--dtype",
-        default="bf16",
-        help="fp32, bf16 (decode and peak also int8; train and peak also fp16, trained "
-        "with dynamic loss scaling, the scale reached printed as loss_scale); a "
-        "comma-separated list runs each (default: bf16)",
+        default="auto",
+        help="auto, fp32, bf16 (decode and peak also int8; train and peak also fp16, "
+        "trained with dynamic loss scaling, the scale reached printed as loss_scale); "
+        "auto: what train or translate would use on this machine (peak: its training "
+        "precision); a comma-separated list runs each (default: auto)",
     )
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ...")
     p.add_argument("--steps", type=int, default=10, help="train: timed steps (median)")
@@ -392,12 +396,20 @@ def add_info(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argpar
     p = command_parser(
         sub,
         "info",
-        "print a configuration's hyperparameters and parameter count",
+        "print a configuration's hyperparameters and parameter count, and this machine's "
+        "CPU class and defaults",
         """\
+The last lines name this machine's CPU, its class (amx, avx512_bf16, avx512, avx2,
+portable), what dtype auto trains and decodes in here, the instruction set of the
+compiled kernels and the rates the probe measured (cached under AIAYN_CACHE_DIR,
+default ~/.cache/aiayn; --reprobe measures again). AIAYN_CPU_ISA=avx2 (or another
+class) holds a process, PyTorch's kernels included, to that class.
+
 examples:
   aiayn info --preset base --vocab-size 37000
   aiayn info --config configs/multi30k-en-de.toml --vocab-size 8000 --json
-  aiayn info --preset big --set N=8""",
+  aiayn info --preset big --set N=8
+  AIAYN_CPU_ISA=avx2 aiayn info --reprobe""",
     )
     add_config_args(p)
     p.add_argument(
@@ -410,5 +422,10 @@ examples:
         "--json",
         action="store_true",
         help="print as JSON, with the parameter formula and the full config",
+    )
+    p.add_argument(
+        "--reprobe",
+        action="store_true",
+        help="measure this machine's product rates again instead of reading the cache",
     )
     return p

@@ -356,13 +356,15 @@ examples:
     p.add_argument(
         "--dtype",
         choices=["fp32", "bf16", "fp16", "auto"],
-        help="training precision (the master weights and Adam stay fp32); bf16 pays "
-        "only on GPUs and CPUs that multiply bf16 natively (AMX, AVX-512 BF16), "
-        "elsewhere training says so at the start: use fp32; fp16 (for GPUs without "
-        "bf16: P100, V100, T4) scales the loss dynamically (PyTorch's GradScaler: "
-        "2^16 at the start, halved and the step skipped on an overflow, doubled after "
-        "2000 clean steps), and is very slow on CPUs; auto: bf16 on a GPU that has "
-        "it, fp16 on one that does not, fp32 on the CPU " + from_preset("train.dtype"),
+        help="training precision (the master weights and Adam stay fp32); auto: bf16 on "
+        "a GPU that has it, fp16 on one that does not, and on the CPU what this machine "
+        "trains fastest in (bf16 with AMX or AVX-512 BF16, fp32 where bf16 would be "
+        "emulated, e.g. AVX2-only CPUs; `aiayn info` shows the choice); an explicit "
+        "bf16 on a CPU that emulates it runs, with a warning and the measured factor; "
+        "fp16 (for GPUs without bf16: P100, V100, T4) scales the loss dynamically "
+        "(PyTorch's GradScaler: 2^16 at the start, halved and the step skipped on an "
+        "overflow, doubled after 2000 clean steps), and is very slow on CPUs "
+        + from_preset("train.dtype"),
     )
     p.add_argument(
         "--device",

@@ -51,7 +51,8 @@ exit codes:
   1    bad input or a failed step: one line on stderr (the traceback with -v)
   2    bad command line or configuration, refused before any work (an output over an
        input, a file this command did not write, an unknown --device or config table)
-  3    translate: the input had invalid UTF-8
+  3    translate: the input had invalid UTF-8; recipe: done, but the model is not
+       trained enough to use (test BLEU near 0; results.json says so, with what to try)
   4    the system refused: a disk full, a read-only or missing directory (one line)
   130  train or recipe stopped by Ctrl-C (143: by SIGTERM), after saving a checkpoint
   141  the output's reader went away (`aiayn ... | head`), as with `cat`
@@ -67,8 +68,12 @@ environment:
       DNNL_PRIMITIVE_CACHE_CAPACITY) is set; oneDNN's default of 1024 is too
       small for bf16 training on length-bucketed batches
   AIAYN_CACHE_DIR
-      where the C kernels (aiayn/csrc) are compiled on first use
-      (default: ~/.cache/aiayn)
+      where the C kernels (aiayn/csrc) are compiled on first use, and the
+      machine probe's rates are kept (default: ~/.cache/aiayn)
+  AIAYN_CPU_ISA=amx|avx512_bf16|avx512|avx2|portable
+      hold the process to a CPU class: PyTorch's kernels (oneDNN, ATen, MKL)
+      and aiayn's C kernels as on such a CPU, and the defaults (dtype auto)
+      chosen as there; `aiayn info` shows the class and choices
   AIAYN_NO_NATIVE=1
       use PyTorch ops instead of the compiled C kernels
   AIAYN_DIST_TIMEOUT_S

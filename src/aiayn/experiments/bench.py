@@ -261,7 +261,7 @@ def bench_decode(
     """
     from aiayn.decoding.search import beam_search, greedy_search
     from aiayn.decoding.workers import check_workers, map_batches
-    from aiayn.fast.inference import cast_for_inference
+    from aiayn.fast.machine import cast_for_inference
 
     check_workers(workers, device)
     cfg = get_preset(preset)

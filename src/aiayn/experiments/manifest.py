@@ -7,6 +7,7 @@ import os
 import platform
 import re
 import sys
+from dataclasses import asdict
 from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -50,11 +51,21 @@ def cpu_kernels() -> dict[str, Any]:
     of BLEU apart (inside the seeds' spread), on an AVX-512 BF16 CPU without AMX
     (measured: docs/results.md).
     """
-    flags = set(_cpuinfo("flags").split())
+    from aiayn.fast import machine
+
+    c = machine.cpu()
+    choice = machine.best()
     return {
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "avx512_bf16": "avx512_bf16" in flags,
-        "amx_bf16": "amx_bf16" in flags,
+        "avx512_bf16": "avx512_bf16" in c.flags and c.cls in machine.NATIVE_BF16,
+        "amx_bf16": "amx_bf16" in c.flags and c.cls == "amx",
+        # what aiayn.fast.machine chose here, and the probe it chose from
+        "cpu_class": c.cls,
+        "cpu_class_held_by_environment": c.cap is not None,
+        "auto_train_dtype": choice.train_dtype,
+        "auto_decode_dtype": choice.decode_dtype,
+        "kernels_isa": choice.kernels,
+        "probe": None if choice.rates is None else asdict(choice.rates),
     }
 
 
@@ -70,8 +81,11 @@ def machine_name(device: str = "cpu") -> str:
         return torch.cuda.get_device_name(torch.device(device))
     name = re.sub(r"\((R|TM)\)|\bProcessor\b|\bCPU\b|@.*$|\d+-Core", "", _cpu_name())
     name = " ".join(name.split()) or "CPU"
-    kernels = cpu_kernels()
-    units = "AMX" if kernels["amx_bf16"] else "AVX-512 BF16" if kernels["avx512_bf16"] else ""
+    from aiayn.fast import machine
+
+    units = {"amx": "AMX", "avx512_bf16": "AVX-512 BF16", "avx2": "AVX2 only"}.get(
+        machine.cpu().cls, ""
+    )
     return f"{name}, {units}" if units else name
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -71,6 +72,14 @@ def _truncate_copy(src_prefix: Path, langs: list[str], out_prefix: Path, n: int)
             if len(lines) == n:
                 break
         write_text_atomic(Path(f"{out_prefix}.{lang}"), "".join(f"{x}\n" for x in lines))
+
+
+def _line_count(prefix: Path, lang: str) -> int:
+    """Lines of PREFIX.LANG[.gz]."""
+    from aiayn.data.prepare import find_input
+    from aiayn.files import read_lines
+
+    return sum(1 for _ in read_lines(find_input(prefix, lang)))
 
 
 def _lowercase_copy(src_prefix: Path, langs: list[str], out_prefix: Path) -> None:
@@ -147,12 +156,13 @@ def _data_stage(recipe: RecipeConfig, cfg: Config, out: Path, data: str | Path |
             prefixes[split] = out / "data" / f"{split}.lc"
             _lowercase_copy(raw / split, [src, tgt], prefixes[split])
     full = dict(prefixes)  # validation during training reads the whole val set
+    tuning = min(recipe.max_test_pairs or recipe.tune_alpha_sentences, recipe.tune_alpha_sentences)
     for split, n in (
         (recipe.train_split, recipe.max_train_pairs),
-        (recipe.valid_split, recipe.max_test_pairs if recipe.tune_alpha else 0),
+        (recipe.valid_split, tuning if recipe.tune_alpha else 0),
         (recipe.test_split, recipe.max_test_pairs),
     ):
-        if n:
+        if n and _line_count(full[split], src) > n:
             prefixes[split] = out / "data" / f"{split}.first{n}"
             _truncate_copy(full[split], [src, tgt], prefixes[split], n)
     prepared = out / "data" / "prepared"
@@ -371,9 +381,70 @@ def run_recipe(
         },
         **environment(),
     }
+    from aiayn.training.precision import resolve_dtype
+
+    flag = not_trained_enough(
+        scores.sacrebleu,
+        train_record,
+        cfg.train.max_minutes,
+        resolve_dtype(cfg.train.dtype, device),
+    )
+    if flag is not None:
+        results["not_trained_enough"] = flag
+        log.warning("%s", flag["message"])
     write_text_atomic(out / "results.json", json.dumps(results, indent=2) + "\n")
     plot_runs(out, runs, trained, f"{src}-{tgt}", str(path))
     return results
+
+
+#: The training steps that the En->De recipe's model needs to score well above
+#: UNUSABLE_BLEU (about what a 2-core Sapphire Rapids VM trains in 10 minutes of bf16).
+USABLE_STEPS = 2500
+
+
+def not_trained_enough(
+    bleu: float, train: dict[str, Any], max_minutes: float, dtype: str
+) -> dict[str, Any] | None:
+    """None for a usable model; else what results.json and the summary say of one whose
+    test BLEU is near 0: how far it trained, how fast on this CPU, and the budget that
+    would reach `USABLE_STEPS` at that pace."""
+    if bleu >= UNUSABLE_BLEU:
+        return None
+    from aiayn.fast import machine
+
+    steps, seconds = int(train["steps"]), float(train["train_seconds"])
+    minutes = seconds / 60
+    rate = train["tokens"] / max(seconds, 1e-9)
+    need = math.ceil(minutes * USABLE_STEPS / max(steps, 1) / 5) * 5 if steps else None
+    cls = machine.cpu().cls
+    advice = (
+        f"try MINUTES={need} (bash scripts/quickstart.sh) or --max-minutes {need}"
+        if need and need > minutes
+        else "train longer (--max-minutes) or check the data"
+    )
+    message = (
+        f"not trained enough: {steps} steps in {minutes:.1f} minutes at {rate:,.0f} tokens/s "
+        f"on this CPU (class {cls}, training in {dtype}); test sacreBLEU "
+        f"{bleu:.2f} is below {UNUSABLE_BLEU:g}, {advice}"
+    )
+    return {
+        "message": message,
+        "steps": steps,
+        "train_minutes": minutes,
+        "tokens_per_s": rate,
+        "cpu_class": cls,
+        "dtype": dtype,
+        "budget_minutes": max_minutes,
+        "suggested_minutes": need,
+    }
+
+
+#: Validation sentences decoded first, at the grid's first alpha, before tuning the length
+#: penalty: a model below UNUSABLE_BLEU there is reported as not trained enough instead of
+#: being decoded once per alpha (an undertrained model's outputs run to the length cap).
+ALPHA_SCREEN_SENTENCES = 100
+#: sacreBLEU below which a model counts as not usable (untrained models score 0-0.5).
+UNUSABLE_BLEU = 1.0
 
 
 def tune_alpha(
@@ -387,21 +458,61 @@ def tune_alpha(
     out: Path,
     *,
     device: str = "cpu",
+    screen: int = ALPHA_SCREEN_SENTENCES,
 ) -> tuple[DecodeConfig, dict[str, Any]]:
     """Translate the validation set at each length penalty in `grid` and keep the best.
 
     The criterion is sacreBLEU; a tie goes to the value listed first. The hypotheses stay
-    in `out` (one file per alpha) for inspection.
+    in `out` (one file per alpha) for inspection. Where the set has more than `screen`
+    sentences, its first `screen` are decoded at grid[0] first, and a model scoring below
+    `UNUSABLE_BLEU` there keeps `decode`'s alpha: the record says "skipped".
 
     Returns:
         The decode settings with the chosen alpha, and a record of every alpha's scores.
     """
     from aiayn.decoding.translate import translate_file
+    from aiayn.files import read_lines
     from aiayn.scoring.bleu import score_files
 
     if not grid:
         raise ValueError("tune_alpha needs at least one alpha to try")
     out.mkdir(parents=True, exist_ok=True)
+    if screen:
+        src_lines = list(read_lines(src_path))
+        if len(src_lines) > screen:
+            ref_lines = list(read_lines(ref_path))[:screen]
+            first = {"src": src_lines[:screen], "ref": ref_lines}
+            for side, lines in first.items():
+                write_text_atomic(out / f"screen.{side}", "".join(f"{x}\n" for x in lines))
+            cfg = replace(decode, alpha=grid[0])
+            hyp = out / "screen.hyp"
+            summary = translate_file(model, tokenizer, out / "screen.src", hyp, cfg, device=device)
+            s = score_files(hyp, out / "screen.ref", target_lang)
+            record = {
+                "sentences": screen,
+                "alpha": grid[0],
+                "sacrebleu": s.sacrebleu,
+                "tok_bleu": s.tok_bleu,
+                "seconds": summary["seconds"],
+            }
+            if s.sacrebleu < UNUSABLE_BLEU:
+                log.warning(
+                    "alpha tuning skipped: sacreBLEU %.2f on the first %d sentences of %s "
+                    "at alpha %g, below %g: the model is not trained enough to tune",
+                    s.sacrebleu,
+                    screen,
+                    src_path.name,
+                    grid[0],
+                    UNUSABLE_BLEU,
+                )
+                return decode, {
+                    "criterion": "sacrebleu",
+                    "skipped": "model not usable",
+                    "screen": record,
+                    "sentences": 0,
+                    "tried": [],
+                    "chosen": decode.alpha,
+                }
     tried = []
     for alpha in grid:
         cfg = replace(decode, alpha=alpha)
@@ -481,7 +592,15 @@ def format_results(results: dict[str, Any]) -> str:
             f"tok-BLEU {ms['tok_bleu']:.2f}, chrF2 {ms['chrf']:.2f}; {m['steps']} steps"
         )
     tuning = results.get("alpha_tuning")
-    if tuning:
+    if tuning and tuning.get("skipped"):
+        sc = tuning["screen"]
+        lines.insert(
+            1,
+            f"  beam {results['config']['decode']['beam']}, alpha {tuning['chosen']:g}: "
+            f"tuning skipped, sacreBLEU {sc['sacrebleu']:.2f} on the first {sc['sentences']} "
+            f"sentences of {tuning['split']}",
+        )
+    elif tuning:
         tried = ", ".join(f"{r['alpha']:g}: {r['sacrebleu']:.2f}" for r in tuning["tried"])
         lines.insert(
             1,
@@ -489,6 +608,8 @@ def format_results(results: dict[str, Any]) -> str:
             f"{tuning['chosen']:g} chosen on {tuning['split']} "
             f"({tuning['sentences']} sentences; sacreBLEU by alpha {tried})",
         )
+    if results.get("not_trained_enough"):
+        lines.append(f"  WARNING: {results['not_trained_enough']['message']}")
     if results.get("recipe", {}).get("lowercase"):
         lines.insert(
             1,

@@ -50,6 +50,11 @@ class RecipeConfig:
     # best sacreBLEU decodes the test set. Section 6.1: beam size and alpha "were chosen
     # after experimentation on the development set". Empty: decode.alpha as configured.
     tune_alpha: tuple[float, ...] = ()
+    # Validation sentences the tuning decodes at most, the first ones (with max_test_pairs,
+    # the smaller): all of Multi30k's val (1,014), a bounded share of a larger dev set
+    # (newstest2013: 3,000). Before the grid, the first 100 are decoded at its first alpha:
+    # a model whose BLEU there is below 1 skips the tuning (`recipe.UNUSABLE_BLEU`).
+    tune_alpha_sentences: int = 1500
     # Train, translate and score lowercased text, as many published Multi30k systems do
     # (trained on the shared task's lowercased, tokenized files, scored on lowercased
     # text). The vocabulary lowercases what it encodes, so the checkpoint lowercases any
@@ -157,12 +162,13 @@ def parse_recipe(table: dict[str, Any], where: str) -> RecipeConfig:
         or recipe.vocab_size < 10
         or recipe.max_train_pairs < 0
         or recipe.max_test_pairs < 0
+        or recipe.tune_alpha_sentences < 1
         or recipe.ensemble < 1
     ):
         raise ConfigError(
             f"{where}: recipe.average_last >= 1, vocab_size >= 10, "
-            "max_train_pairs >= 0, max_test_pairs >= 0 and ensemble >= 1 "
-            "are required"
+            "max_train_pairs >= 0, max_test_pairs >= 0, tune_alpha_sentences >= 1 and "
+            "ensemble >= 1 are required"
         )
     return recipe
 

@@ -43,12 +43,16 @@ class RecipeStoppedError(Exception):
 def matmul_peak_for(cfg: Config, device: str) -> tuple[float, torch.dtype]:
     """The matmul ceiling for Table 2's FLOPs estimate, measured before training (measured
     after it in the same process, it came out lower on the CPU)."""
-    from aiayn.fast.flops import cpu_matmul_rates, matmul_peak, slow_bf16_warning
+    from aiayn.fast import machine
+    from aiayn.fast.flops import matmul_peak
+    from aiayn.fast.machine import slow_bf16_warning
+    from aiayn.training.precision import resolve_dtype
 
-    peak_dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32
-    if cfg.train.dtype == "bf16" and slow_bf16_warning(device):
+    dtype = resolve_dtype(cfg.train.dtype, device)
+    peak_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    if dtype == "bf16" and slow_bf16_warning(device):
         # emulated bf16 (the trainer says so next): the 2048^3 products would take minutes
-        return cpu_matmul_rates()[1], peak_dtype
+        return machine.probe().train_bf16 * 1e9, peak_dtype
     return matmul_peak(peak_dtype, device=device), peak_dtype
 
 

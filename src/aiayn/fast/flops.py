@@ -9,7 +9,6 @@ left out, as it is in those conventions.
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable
 
@@ -117,41 +116,3 @@ def matmul_peak(
             times.append(time.perf_counter() - t0)
     times.sort()
     return 2.0 * n**3 / times[len(times) // 2]
-
-
-#: bf16 counts as slow when its products run below this fraction of float32's (a margin for
-#: timing noise: where bf16 is emulated, the gap is far wider than that, see below).
-SLOW_BF16_FRACTION = 0.8
-
-
-def slow_bf16_warning(device: str | torch.device = "cpu", n: int = 512) -> str | None:
-    """A warning when bf16 matrix products are slower than float32 on this CPU, else None.
-
-    bf16 autocast pays only where the CPU multiplies bf16 natively (AVX-512 BF16 or AMX;
-    the configs' `dtype = "bf16"` was sized on AMX, where it is several times float32's
-    rate). Elsewhere it is slower than float32: with AVX-512 but no BF16 (Skylake,
-    Cascade Lake) oneDNN emulates it, and with AVX2 only PyTorch falls back to its
-    generic kernel, far slower still (measured with oneDNN held to older instruction sets
-    by `ONEDNN_MAX_CPU_ISA`: docs/performance.md, "Settings the CLI applies").
-    Measuring (a fraction of a second even where bf16 is emulated) rather than reading CPU
-    flags also catches a PyTorch build without oneDNN.
-    """
-    if torch.device(device).type != "cpu":
-        return None
-    fp32, bf16 = cpu_matmul_rates(n)
-    if bf16 >= SLOW_BF16_FRACTION * fp32:
-        return None
-    return (
-        f"bf16 matrix products run at {bf16 / 1e9:.0f} GFLOP/s on this CPU and float32 at "
-        f"{fp32 / 1e9:.0f} ({fp32 / bf16:.1f}x faster): it has no native bf16 (AVX-512 "
-        "BF16 or AMX), so dtype bf16 is slower here; float32 is the faster choice "
-        "(e.g. --set train.dtype=fp32, or translate --dtype fp32)"
-    )
-
-
-@functools.cache
-def cpu_matmul_rates(n: int = 512) -> tuple[float, float]:
-    """(float32, bf16) n^3 product rates on the CPU (FLOP/s), measured once per process:
-    small enough to take under a second where bf16 is emulated (a 2048^3 bf16 product,
-    the size of `peak_size`, takes many seconds there: docs/performance.md)."""
-    return (matmul_peak(torch.float32, n=n, repeats=3), matmul_peak(torch.bfloat16, n=n, repeats=3))

@@ -1,5 +1,6 @@
 """Inference precisions for decoding: bf16 weights packed for oneDNN once, and int8
-layers (dynamic quantization without `torch.ao`), chosen by `cast_for_inference`."""
+layers (dynamic quantization without `torch.ao`), made by `cast` (which precision to use
+is `machine.cast_for_inference`'s decision)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ from torch import Tensor, nn
 
 from aiayn.fast import native
 from aiayn.fast.cpu_ops import onednn_bf16
-from aiayn.fast.flops import slow_bf16_warning
 from aiayn.fast.int8_ops import int8_matmul, quantize_per_row
 from aiayn.fast.layers import accelerate
 from aiayn.model import Transformer
@@ -20,7 +20,8 @@ from aiayn.model import Transformer
 logger = logging.getLogger(__name__)
 
 
-INFERENCE_DTYPES = ("fp32", "bf16", "int8")
+#: The inference precisions; "auto" is this machine's fastest (`machine.cast_for_inference`).
+INFERENCE_DTYPES = ("auto", "fp32", "bf16", "int8")
 
 
 class PackedLinear(nn.Module):
@@ -211,21 +212,14 @@ def pack_linears(model: nn.Module) -> nn.Module:
     return model
 
 
-def cast_for_inference(model: Transformer, dtype: str) -> Transformer:
-    """The model in an inference precision: "fp32" as trained, "bf16" (weights and
-    activations; AMX on recent Intel CPUs, with the weights packed for oneDNN once), or
-    "int8" (dynamic quantization of every Linear, `Int8Linear`: int8 weights per output
-    column, activations quantized per row at run time; CPU only). The model becomes the
-    fast one (`aiayn.fast.accelerate`) and its parameters stop requiring gradients: this
-    is for decoding only."""
-    if dtype not in INFERENCE_DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(INFERENCE_DTYPES)}, got {dtype!r}")
+def cast(model: Transformer, dtype: str) -> Transformer:
+    """The model in a concrete inference precision ("fp32", "bf16" or "int8"; see
+    `machine.cast_for_inference`, which also resolves "auto" and warns): the fast model
+    (`aiayn.fast.accelerate`), no gradients, bf16 weights packed for oneDNN where it
+    packs, int8 layers (`Int8Linear`, CPU only)."""
     model = accelerate(model)
     model.requires_grad_(False)
     if dtype == "bf16":
-        warning = slow_bf16_warning(next(model.parameters()).device)
-        if warning:
-            logger.warning(warning)
         model = model.to(torch.bfloat16)
         if can_pack_bf16():
             pack_linears(model)

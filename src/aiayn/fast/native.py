@@ -43,9 +43,10 @@ Multi30k's training pairs from their characters, a loop of small lookups, which 
 far faster than Python (`data._bpe_dropout_words`, the fallback; measured:
 docs/performance.md).
 
-Built on first use with the system's C compiler (`$CC`, else `cc`) for this CPU
-(`-march=native`), cached under `$AIAYN_CACHE_DIR` (default `~/.cache/aiayn`) by a key of
-the source, the flags, the compiler and the CPU's feature flags, and loaded with ctypes.
+Built on first use with the system's C compiler (`$CC`, else `cc`) for this CPU's class
+(`isa_flags`: AVX-512, AVX2 or portable C; `AIAYN_CPU_ISA` caps it), cached under
+`$AIAYN_CACHE_DIR` (default `~/.cache/aiayn`) by a key of the source, the flags, the
+compiler and the CPU's feature flags, and loaded with ctypes.
 Without a compiler, if the build fails, or with `AIAYN_NO_NATIVE=1`, `library()` is None
 and the callers use PyTorch ops: the same results up to float rounding
 (tests/fast/test_native.py compares them).
@@ -86,7 +87,6 @@ SOURCES = (
 HEADERS = (CSRC / "simd_math.h", CSRC / "decode_attention_kernels.h")
 FLAGS = (
     "-O3",
-    "-march=native",
     "-fopenmp-simd",
     "-fno-math-errno",
     "-fno-trapping-math",
@@ -177,6 +177,24 @@ def cache_dir() -> Path:
     return Path(os.environ.get("AIAYN_CACHE_DIR") or Path.home() / ".cache" / "aiayn")
 
 
+def isa_flags(isa: str | None = None) -> tuple[str, ...]:
+    """The compiler's target flags for the kernels' instruction set (`machine.kernel_isa`
+    of this CPU's class, capped by AIAYN_CPU_ISA): avx512 builds for this CPU
+    (-march=native, the AVX-512 paths), avx2 for AVX2 and FMA only (-march=x86-64-v3: the
+    8-lane paths, also when held to AVX2 on a bigger CPU), portable for this CPU where it
+    is not x86 (e.g. aarch64's NEON through the plain loops), else for x86-64-v2."""
+    from aiayn.cpu_isa import cpu, kernel_isa
+
+    isa = isa or kernel_isa(cpu().cls)
+    if isa == "avx512":
+        return ("-march=native",)
+    if isa == "avx2":
+        return ("-march=x86-64-v3", "-mtune=native")
+    if platform.machine() in ("x86_64", "AMD64"):
+        return ("-march=x86-64-v2", "-mtune=native")
+    return ("-mcpu=native",) if platform.machine() in ("aarch64", "arm64") else ()
+
+
 def _cpu_flags() -> str:
     """The CPU's feature flags: a library built with -march=native on one machine must not
     be loaded on another whose CPU lacks its instructions (a home directory shared by a
@@ -190,7 +208,7 @@ def _cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
-def _build(compiler: str, out: Path) -> None:
+def _build(compiler: str, out: Path, isa: str | None = None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     # built under a temporary name and renamed: concurrent processes (decoding workers,
     # two runs) never load a half-written library
@@ -198,7 +216,7 @@ def _build(compiler: str, out: Path) -> None:
     os.close(fd)
     try:
         subprocess.run(
-            [compiler, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"],
+            [compiler, *FLAGS, *isa_flags(isa), *map(str, SOURCES), "-o", tmp, "-lm"],
             check=True,
             capture_output=True,
             text=True,
@@ -212,9 +230,23 @@ def _build(compiler: str, out: Path) -> None:
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The compiled library, built if needed; None where it cannot be had (logged once)."""
+    """The compiled library for this CPU's class (`isa_flags`), built if needed; None where
+    it cannot be had (logged once)."""
     if os.environ.get("AIAYN_NO_NATIVE") == "1":
         return None
+    return library_for(None)
+
+
+def clear_cache() -> None:
+    """Forget the loaded libraries (tests that change the cache directory or compiler)."""
+    library.cache_clear()
+    library_for.cache_clear()
+
+
+@functools.cache
+def library_for(isa: str | None) -> ctypes.CDLL | None:
+    """The library built for instruction set `isa` ("avx512", "avx2", "portable"; None:
+    this CPU's class), e.g. for tests that check every path this CPU can run."""
     if sys.platform != "linux":  # the flags and the cache key assume gcc/clang on Linux
         return None
     compiler = shutil.which(os.environ.get("CC", "cc"))
@@ -225,7 +257,7 @@ def library() -> ctypes.CDLL | None:
         b"\0".join(
             [
                 *(f.read_bytes() for f in SOURCES + HEADERS),
-                " ".join(FLAGS).encode(),
+                " ".join(FLAGS + isa_flags(isa)).encode(),
                 compiler.encode(),
                 _cpu_flags().encode(),
             ]
@@ -234,12 +266,12 @@ def library() -> ctypes.CDLL | None:
     path = cache_dir() / f"native-{key.hexdigest()[:16]}.so"
     try:
         if not path.exists():
-            _build(compiler, path)
+            _build(compiler, path, isa)
         try:
             lib = ctypes.CDLL(str(path))
         except OSError:  # a damaged cached file: built again, once
             path.unlink(missing_ok=True)
-            _build(compiler, path)
+            _build(compiler, path, isa)
             lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as e:
         lines = (getattr(e, "stderr", None) or str(e)).strip().splitlines()

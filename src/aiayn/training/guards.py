@@ -49,6 +49,10 @@ PACE_FROM_STEP, PACE_AT_STEP = 200, 600
 #: PACE_EARLY_FRACTION of max_minutes is spent, from the pace after PACE_EARLY_STEP (or
 #: after PACE_FROM_STEP, if passed).
 PACE_EARLY_STEP, PACE_EARLY_FRACTION = 10, 0.1
+#: The pre-flight check tries no further batch once this many seconds are spent (the first
+#: batch, the most padded tokens, always runs): on a CPU where each of its three large
+#: batches took a minute (bf16 emulated) it would otherwise cost minutes of a short budget.
+PREFLIGHT_SECONDS = 10.0
 
 
 @dataclass
@@ -308,6 +312,7 @@ class TrainerGuards:
         Nothing of it stays: no update, the gradients dropped, the random state restored
         (each step reseeds anyway), and through the plain model, so no rank waits in a
         collective for it. On a GPU the caching allocator keeps the memory for step 1.
+        Bounded: no batch after the first once `PREFLIGHT_SECONDS` are spent.
         """
         t = self.cfg.train
         epoch = self.state.epoch
@@ -315,9 +320,12 @@ class TrainerGuards:
         order = epoch_order(corpus, t, epoch, self.dist)
         cuda = self.device.type == "cuda"
         t0 = time.perf_counter()
-        shapes = []
+        shapes: list[list[list[int]]] = []
+        picked = largest_batches(corpus.src_lens, corpus.tgt_lens, order)
         with torch.random.fork_rng(devices=[self.device] if cuda else []):
-            for pos in largest_batches(corpus.src_lens, corpus.tgt_lens, order):
+            for pos in picked:
+                if shapes and time.perf_counter() - t0 > PREFLIGHT_SECONDS:
+                    break
                 batch = collate(corpus, order[pos])
                 what = (
                     f"batch {pos + 1} of epoch {epoch}: {batch.src.size(0)} sentences, "
@@ -343,18 +351,21 @@ class TrainerGuards:
         else:  # the process's peak so far; ru_maxrss is in KiB (bytes on macOS)
             rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
             peak, memory = rss / (2**30 if sys.platform == "darwin" else 2**20), "RSS"
+        skipped = len(picked) - len(shapes)
         log.info(
-            "pre-flight: the epoch's %d largest batches fit (%.1f s; peak %s %.2f GiB)",
+            "pre-flight: the epoch's %d largest batches fit (%.1f s; peak %s %.2f GiB)%s",
             len(shapes),
             seconds,
             memory,
             peak,
+            f"; {skipped} more not tried (over its {PREFLIGHT_SECONDS:g} s)" if skipped else "",
         )
         self._log(
             {
                 "step": self.state.step,
                 "event": "preflight",
                 "shapes": shapes,
+                "not_tried": skipped,
                 "seconds": seconds,
                 "peak_gib": peak,
             }

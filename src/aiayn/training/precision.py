@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from aiayn.fast import machine
+
 #: What `train.dtype` may say; "auto" is resolved per device by `resolve_dtype`.
 TRAIN_DTYPES = ("fp32", "bf16", "fp16", "auto")
 #: The autocast dtype of each mixed-precision mode (fp32 runs without autocast).
@@ -33,10 +35,11 @@ MIN_LOSS_SCALE = 1e-4
 
 def resolve_dtype(dtype: str, device: torch.device | str) -> str:
     """The dtype a run computes in: "auto" becomes bf16 on a GPU that supports it
-    natively, fp16 on an older CUDA GPU (P100, V100, T4: bf16 there would be emulated),
-    and fp32 on the CPU or any other device (bf16 autocast on a CPU without AVX-512 BF16
-    or AMX is slower than fp32: `aiayn.fast.flops.slow_bf16_warning`); any other value
-    stands as it is."""
+    natively, fp16 on an older CUDA GPU (P100, V100, T4: bf16 there would be emulated);
+    on the CPU what this machine trains fastest in (`aiayn.fast.machine.best`: bf16 where
+    the CPU multiplies it natively, AMX or AVX-512 BF16, and the probe confirms it; fp32
+    where bf16 would be emulated, AVX2-only CPUs among them); fp32 on any other device.
+    Any other value stands as it is."""
     if dtype != "auto":
         return dtype
     device = torch.device(device)
@@ -44,6 +47,8 @@ def resolve_dtype(dtype: str, device: torch.device | str) -> str:
         with torch.cuda.device(device):
             native_bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
         return "bf16" if native_bf16 else "fp16"
+    if device.type == "cpu":
+        return machine.best().train_dtype
     return "fp32"
 
 

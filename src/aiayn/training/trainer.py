@@ -28,8 +28,9 @@ from aiayn.data.batching import Batch, Prefetch
 from aiayn.data.bpe_dropout import BPEDropout
 from aiayn.data.corpus import Corpus, has_split, load_corpus, load_manifest, split_sha256
 from aiayn.data.tokenizer import Tokenizer
-from aiayn.fast import accelerate
-from aiayn.fast.flops import slow_bf16_warning, training_flops
+from aiayn.fast import accelerate, machine
+from aiayn.fast.flops import training_flops
+from aiayn.fast.machine import slow_bf16_warning
 from aiayn.files import write_text_atomic
 from aiayn.model import Transformer, count_parameters
 from aiayn.training.distributed import init_from_env, shutdown
@@ -234,14 +235,18 @@ class Trainer(TrainerPersistence, TrainerGuards):
         loss scaling (and, on the CPU, that it is slow)."""
         t = self.cfg.train
         dtype = resolve_dtype(t.dtype, self.device)
+        cpu = self.device.type == "cpu"
+        if cpu and self.dist.is_main:  # the machine and what aiayn chose on it, first
+            log.info("%s", machine.describe())
         if t.dtype == "auto":
             why = (
-                "this GPU multiplies bf16 natively"
+                machine.best().reasons["train"]
+                if cpu
+                else "this GPU multiplies bf16 natively"
                 if dtype == "bf16"
                 else "this GPU has no native bf16"
                 if dtype == "fp16"
-                else f"device {self.device.type}: --dtype bf16 pays on a CPU with AMX or "
-                "AVX-512 BF16 only, fp16 is slow on CPUs"
+                else f"device {self.device.type}"
             )
             log.info("train.dtype auto: training in %s (%s)", dtype, why)
         if dtype == "fp16":
@@ -257,8 +262,10 @@ class Trainer(TrainerPersistence, TrainerGuards):
                     "fp16 on the CPU runs PyTorch's generic float16 kernels, far slower "
                     "than fp32 (unless the CPU has AVX-512 FP16): fp16 is for GPUs"
                 )
-        if t.dtype == "auto" or dtype == "fp16":
-            self._pending_log.append({"event": "precision", "dtype": t.dtype, "resolved": dtype})
+        record: dict[str, Any] = {"event": "precision", "dtype": t.dtype, "resolved": dtype}
+        if cpu:
+            record["machine"] = machine.best().to_dict()
+        self._pending_log.append(record)
 
     def _update(self, stream: BatchStream) -> dict[str, float]:
         """One optimizer step over `plan.accumulation` batches (train.update_freq, or as a
@@ -552,7 +559,7 @@ class Trainer(TrainerPersistence, TrainerGuards):
                 t.bidirectional_epochs - 1,
                 2 * len(self.train_data),
             )
-        if t.dtype == "bf16" and self.dist.is_main:
+        if resolve_dtype(t.dtype, self.device) == "bf16" and self.dist.is_main:
             self._warn_about_bf16()
 
     def _warn_about_bf16(self) -> None:

@@ -29,22 +29,23 @@ INLINE void NAME(store)(T *dst, const float *acc, float inv, int d) {
     for (int j = 0; j < d; j++) dst[j] = STORE(acc[j] * inv);
 }
 
-#ifdef __AVX512F__
-/* The scores of one float query (dk floats; dk a multiple of 16, at most 128) with 16 keys
- * rows[0..16) of type T, converted as they are read (callers repeat a row for the lanes
- * they do not use): the query held in registers, each key's products summed in one chain,
- * the 16 chains independent, their sums taken together (sum16). */
-INLINE __m512 NAME(scores16)(const float *q, const T *const *rows, const int dk) {
-    __m512 qv[8], part[16];
-    for (int c = 0; c < 8; c++)
-        if (16 * c < dk) qv[c] = _mm512_loadu_ps(q + 16 * c);
-    for (int i = 0; i < 16; i++) {
-        __m512 acc = _mm512_setzero_ps();
-        for (int c = 0; c < 8; c++)
-            if (16 * c < dk) acc = _mm512_fmadd_ps(qv[c], LOAD16(rows[i] + 16 * c), acc);
+#ifdef VW
+/* The scores of one float query (dk floats; dk a multiple of VW, at most 128) with VW keys
+ * rows[0..VW) of type T, converted as they are read (callers repeat a row for the lanes
+ * they do not use): the query held in registers (AVX-512) or read from L1 (AVX2 has 16),
+ * each key's products summed in one chain, the VW chains independent, their sums taken
+ * together (vsum). */
+INLINE vf NAME(scoresv)(const float *q, const T *const *rows, const int dk) {
+    vf qv[128 / VW], part[VW];
+    for (int c = 0; c < 128 / VW; c++)
+        if (VW * c < dk) qv[c] = VLOAD(q + VW * c);
+    for (int i = 0; i < VW; i++) {
+        vf acc = VZERO();
+        for (int c = 0; c < 128 / VW; c++)
+            if (VW * c < dk) acc = VFMA(qv[c], LOADV(rows[i] + VW * c), acc);
         part[i] = acc;
     }
-    return sum16(part);
+    return vsum(part);
 }
 #endif
 
@@ -58,13 +59,13 @@ INLINE void NAME(cached)(const T *q, int64_t q_ld, const T *const *pos, int64_t 
     for (int64_t r = r0; r < r1; r++) {
         const int64_t *p = path + r * path_ld;
         NAME(load)(qf, q + r * q_ld, H * dk);
-#ifdef __AVX512F__
-        if (dk % 16 == 0 && dk <= 128) {
-            /* 16 positions at a time: their scores summed together (sum16) */
-            const __m512 vscale = _mm512_set1_ps(scale);
-            for (int64_t i0 = 0; i0 < t; i0 += 16) {
-                int n = t - i0 < 16 ? (int)(t - i0) : 16;
-                const T *krow[16], *rows[16];
+#ifdef VW
+        if (dk % VW == 0 && dk <= 128) {
+            /* VW positions at a time: their scores summed together (vsum) */
+            const vf vscale = VSET1(scale);
+            for (int64_t i0 = 0; i0 < t; i0 += VW) {
+                int n = t - i0 < VW ? (int)(t - i0) : VW;
+                const T *krow[VW], *rows[VW];
                 for (int i = 0; i < n; i++) {
                     krow[i] = pos[i0 + i] + p[i0 + i] * ld + k_off;
                     /* the values, read after the softmax */
@@ -73,9 +74,9 @@ INLINE void NAME(cached)(const T *q, int64_t q_ld, const T *const *pos, int64_t 
                         __builtin_prefetch(vrow + b);
                 }
                 for (int h = 0; h < H; h++) {
-                    for (int i = 0; i < 16; i++) rows[i] = krow[i < n ? i : 0] + h * dk;
-                    __m512 sc = _mm512_mul_ps(NAME(scores16)(qf + h * dk, rows, dk), vscale);
-                    _mm512_mask_storeu_ps(s + h * t + i0, (__mmask16)((1u << n) - 1u), sc);
+                    for (int i = 0; i < VW; i++) rows[i] = krow[i < n ? i : 0] + h * dk;
+                    vf sc = VMUL(NAME(scoresv)(qf + h * dk, rows, dk), vscale);
+                    VSTORE_N(s + h * t + i0, sc, n);
                 }
             }
         } else
@@ -92,31 +93,31 @@ INLINE void NAME(cached)(const T *q, int64_t q_ld, const T *const *pos, int64_t 
         }
         softmax_rows(s, H, t, inv);
         for (int j = 0; j < H * dv; j++) acc[j] = 0.0f;
-#ifdef __AVX512F__
-        if (dv % 16 == 0) {
-            /* 16 positions at a time; the output's vectors (all heads: one run of H*dv)
+#ifdef VW
+        if (dv % VW == 0) {
+            /* VW positions at a time; the output's vectors (all heads: one run of H*dv)
              * kept in registers, eight at a time, so that eight chains of products
              * overlap instead of each waiting for the last */
-            const int nv = H * dv / 16;
-            for (int64_t i0 = 0; i0 < t; i0 += 16) {
-                int n = t - i0 < 16 ? (int)(t - i0) : 16;
-                const T *vrow[16];
+            const int nv = H * dv / VW;
+            for (int64_t i0 = 0; i0 < t; i0 += VW) {
+                int n = t - i0 < VW ? (int)(t - i0) : VW;
+                const T *vrow[VW];
                 for (int i = 0; i < n; i++) vrow[i] = pos[i0 + i] + p[i0 + i] * ld + v_off;
                 for (int v0 = 0; v0 < nv; v0 += 8) {
-                    __m512 x[8];
+                    vf x[8];
                     const float *w[8];
                     for (int v = 0; v < 8; v++)
                         if (v0 + v < nv) {
-                            x[v] = _mm512_loadu_ps(acc + 16 * (v0 + v));
-                            w[v] = s + (16 * (v0 + v) / dv) * t + i0;  /* its head's */
+                            x[v] = VLOAD(acc + VW * (v0 + v));
+                            w[v] = s + (VW * (v0 + v) / dv) * t + i0;  /* its head's */
                         }
                     for (int i = 0; i < n; i++)
                         for (int v = 0; v < 8; v++)
                             if (v0 + v < nv)
-                                x[v] = _mm512_fmadd_ps(_mm512_set1_ps(w[v][i]),
-                                                       LOAD16(vrow[i] + 16 * (v0 + v)), x[v]);
+                                x[v] = VFMA(VSET1(w[v][i]), LOADV(vrow[i] + VW * (v0 + v)),
+                                            x[v]);
                     for (int v = 0; v < 8; v++)
-                        if (v0 + v < nv) _mm512_storeu_ps(acc + 16 * (v0 + v), x[v]);
+                        if (v0 + v < nv) VSTORE(acc + VW * (v0 + v), x[v]);
                 }
             }
         } else
@@ -157,8 +158,8 @@ INLINE void NAME(memory)(const T *q, int64_t q_ld, const T *k, const T *v,
     /* Sentence by sentence and head by head, its g queries at once: each key and value
      * row is converted once for g products. s: (g, S) scores, then weights. */
     float qf[MAX_ROW], acc[MAX_ROW], inv[MAX_HEADS], row[MAX_D];
-#if defined(__AVX512F__) && !T_IS_FLOAT
-    float kbuf[16 * 128];  /* 16 keys (or values) as floats: the AVX-512 paths take d <= 128 */
+#if defined(VW) && !T_IS_FLOAT
+    float kbuf[VW * 128];  /* VW keys (or values) as floats: the vector paths take d <= 128 */
 #endif
     for (int64_t a = a0; a < a1; a++) {
         const uint8_t *msk = mask + a * mask_ld;
@@ -167,25 +168,25 @@ INLINE void NAME(memory)(const T *q, int64_t q_ld, const T *k, const T *v,
             const T *vb = v + (a * H + h) * S * dv;
             for (int64_t j = 0; j < g; j++)
                 NAME(load)(qf + j * dk, q + (a * g + j) * q_ld + (int64_t)h * dk, dk);
-#ifdef __AVX512F__
-            if (dk % 16 == 0 && dk <= 128) {
-                /* 16 keys at a time, converted once for the g queries (to floats, hence
-                 * the float instantiation's scores16); masked ones after */
-                const __m512 vscale = _mm512_set1_ps(scale);
-                for (int64_t i0 = 0; i0 < S; i0 += 16) {
-                    int n = S - i0 < 16 ? (int)(S - i0) : 16;
-                    const float *rows[16];
+#ifdef VW
+            if (dk % VW == 0 && dk <= 128) {
+                /* VW keys at a time, converted once for the g queries (to floats, hence
+                 * the float instantiation's scoresv); masked ones after */
+                const vf vscale = VSET1(scale);
+                for (int64_t i0 = 0; i0 < S; i0 += VW) {
+                    int n = S - i0 < VW ? (int)(S - i0) : VW;
+                    const float *rows[VW];
 #if T_IS_FLOAT
                     /* float keys are read where they are: no copy */
-                    for (int i = 0; i < 16; i++)
+                    for (int i = 0; i < VW; i++)
                         rows[i] = (const float *)kb + (i0 + (i < n ? i : 0)) * dk;
 #else
                     for (int i = 0; i < n; i++) NAME(load)(kbuf + i * dk, kb + (i0 + i) * dk, dk);
-                    for (int i = 0; i < 16; i++) rows[i] = kbuf + (i < n ? i : 0) * dk;
+                    for (int i = 0; i < VW; i++) rows[i] = kbuf + (i < n ? i : 0) * dk;
 #endif
                     for (int64_t j = 0; j < g; j++) {
-                        __m512 sc = _mm512_mul_ps(scores16_f32(qf + j * dk, rows, dk), vscale);
-                        _mm512_mask_storeu_ps(s + j * S + i0, (__mmask16)((1u << n) - 1u), sc);
+                        vf sc = VMUL(scoresv_f32(qf + j * dk, rows, dk), vscale);
+                        VSTORE_N(s + j * S + i0, sc, n);
                     }
                 }
                 for (int64_t i = 0; i < S; i++)
@@ -204,14 +205,14 @@ INLINE void NAME(memory)(const T *q, int64_t q_ld, const T *k, const T *v,
             }
             softmax_rows(s, g, S, inv);
             for (int j = 0; j < g * dv; j++) acc[j] = 0.0f;
-#ifdef __AVX512F__
-            if (dv % 16 == 0 && dv <= 128) {
-                /* 16 keys at a time, converted once; a query's output vectors (up to 8)
+#ifdef VW
+            if (dv % VW == 0 && dv <= 8 * VW) {
+                /* VW keys at a time, converted once; a query's output vectors (up to 8)
                  * kept in registers over them, their chains of products overlapping;
                  * masked keys skipped, as below */
-                const int nv = dv / 16;
-                for (int64_t i0 = 0; i0 < S; i0 += 16) {
-                    int n = S - i0 < 16 ? (int)(S - i0) : 16;
+                const int nv = dv / VW;
+                for (int64_t i0 = 0; i0 < S; i0 += VW) {
+                    int n = S - i0 < VW ? (int)(S - i0) : VW;
 #if T_IS_FLOAT
                     const float *vals = (const float *)vb + i0 * dv;  /* read in place */
 #else
@@ -221,19 +222,17 @@ INLINE void NAME(memory)(const T *q, int64_t q_ld, const T *k, const T *v,
 #endif
                     for (int64_t j = 0; j < g; j++) {
                         const float *w = s + j * S + i0;
-                        __m512 x[8];
+                        vf x[8];
                         for (int v = 0; v < 8; v++)
-                            if (v < nv) x[v] = _mm512_loadu_ps(acc + j * dv + 16 * v);
+                            if (v < nv) x[v] = VLOAD(acc + j * dv + VW * v);
                         for (int i = 0; i < n; i++) {
                             if (!msk[i0 + i]) continue;
-                            __m512 wi = _mm512_set1_ps(w[i]);
+                            vf wi = VSET1(w[i]);
                             for (int v = 0; v < 8; v++)
-                                if (v < nv)
-                                    x[v] = _mm512_fmadd_ps(
-                                        wi, _mm512_loadu_ps(vals + i * dv + 16 * v), x[v]);
+                                if (v < nv) x[v] = VFMA(wi, VLOAD(vals + i * dv + VW * v), x[v]);
                         }
                         for (int v = 0; v < 8; v++)
-                            if (v < nv) _mm512_storeu_ps(acc + j * dv + 16 * v, x[v]);
+                            if (v < nv) VSTORE(acc + j * dv + VW * v, x[v]);
                     }
                 }
             } else
