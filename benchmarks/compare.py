@@ -3,6 +3,7 @@
     pip install -e '.[bench]'            # transformers (and ctranslate2, when it is used)
     python benchmarks/compare.py         # tiny and base, training and decoding
     python benchmarks/compare.py --presets base --what train --dtypes bf16 --rounds 2
+    AIAYN_CPU_ISA=avx2 python benchmarks/compare.py --dtypes auto  # as on an AVX2-only CPU
 
 Peers are built from configs with random weights (never downloaded):
 - HF MarianMTModel configured as the paper's model (post-norm, sinusoidal positions,
@@ -424,6 +425,11 @@ def main() -> int:
     p.add_argument("--json", help="also write every record to this file")
     p.add_argument("--one", help=argparse.SUPPRESS)
     args = p.parse_args()
+    # AIAYN_CPU_ISA=avx2 (or another class): every child, the peers' included, runs with
+    # oneDNN's, ATen's, MKL's and CTranslate2's ceilings held to that class
+    from aiayn.cpu_isa import apply_isa_environment
+
+    apply_isa_environment()
     if args.device != "cpu" and args.workers != 1:
         p.error("--workers is for CPU decoding")
     if args.one:
@@ -433,10 +439,15 @@ def main() -> int:
 
     import torch
 
+    from aiayn.cpu_isa import cpu
+
+    c = cpu()
+    held = " (held to it by AIAYN_CPU_ISA / ONEDNN_MAX_CPU_ISA)" if c.cap else ""
     where = (
         torch.cuda.get_device_name(args.device)
         if args.device != "cpu"
-        else f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+        else f"{c.model or platform.machine()}, class {c.cls}{held}, "
+        f"{torch.get_num_threads()} threads"
     )
     print(f"# {where}, torch {torch.__version__}", flush=True)
     records = []

@@ -41,6 +41,15 @@ SMALL = [
 ]
 
 
+def done(code: int, out: Path) -> bool:
+    """A recipe finished: exit 0, or 3 with results.json flagging a model too little trained
+    to use (SMALL's 12 steps: test BLEU near 0), never one without the other."""
+    results = json.loads((out / "results.json").read_text())
+    flagged = "not_trained_enough" in results
+    assert code == (3 if flagged else 0), (code, results.get("not_trained_enough"))
+    return True
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
 def test_recipes_follow_the_paper_where_they_do_not_say_otherwise(path):
     """Section 5/6.1 machinery: post-norm model, sinusoids, shared embeddings, eps_ls 0.1,
@@ -102,8 +111,11 @@ def test_recipe_runs_end_to_end_on_a_slice(tmp_path, monkeypatch, capsys):
     ]
     for item in SMALL:
         args += ["--set", item]
-    assert main(args) == 0
+    assert done(main(args), out)
     printed = capsys.readouterr().out
+    flag = json.loads((out / "results.json").read_text()).get("not_trained_enough")
+    if flag:  # 12 steps: said in the summary, with the budget that would do
+        assert f"WARNING: {flag['message']}" in printed and flag["steps"] == 12
     for convention in ("sacreBLEU", "tok-BLEU", "chrF2"):
         assert convention in printed
     results = json.loads((out / "results.json").read_text())
@@ -133,7 +145,7 @@ def test_recipe_runs_end_to_end_on_a_slice(tmp_path, monkeypatch, capsys):
     assert results["config"]["decode"]["alpha"] == tuning["chosen"]
     assert f"alpha {tuning['chosen']:g} chosen on val" in printed
     # Rerunning resumes: training is already done, the later stages are redone.
-    assert main(args) == 0
+    assert done(main(args), out)
     again = json.loads((out / "results.json").read_text())
     assert again["train"]["steps"] == 12 and again["scores"] == results["scores"]
 
@@ -172,7 +184,7 @@ def test_recipe_on_a_cpu_with_slow_bf16_warns_and_skips_the_large_peak_product(
     for item in [*SMALL, "dtype=bf16"]:
         args += ["--set", item]
     with caplog.at_level("WARNING"):
-        assert main(args) == 0
+        assert done(main(args), out)
     results = json.loads((out / "results.json").read_text())
     assert results["flops"]["sustained_peak_flop_s"] == 1e9
     assert warning in caplog.text
@@ -208,7 +220,7 @@ def test_lowercase_recipe_trains_translates_and_scores_lowercased_text(
     ]
     for item in [*SMALL, "recipe.lowercase=true", "recipe.tune_alpha=0.6"]:
         args += ["--set", item]
-    assert main(args) == 0
+    assert done(main(args), out)
     assert "lowercased data" in capsys.readouterr().out
     for split, lang in (("train", "en"), ("train", "de"), ("val", "de")):
         raw = [x.lower() for x in read_lines(out / "data" / "raw" / f"{split}.{lang}.gz")]
@@ -274,7 +286,7 @@ def test_recipe_reruns_reproduce_the_same_model_and_scores(tmp_path, monkeypatch
         ]
         for item in [*SMALL, "dtype=bf16"]:  # the recipe's own dtype
             args += ["--set", item]
-        assert main(args) == 0
+        assert done(main(args), out)
         runs.append(out)
     a, b = (json.loads((r / "results.json").read_text()) for r in runs)
     assert a["train"]["stopped_by"] == "max_steps"
@@ -309,7 +321,7 @@ def test_ensemble_recipe_trains_members_side_by_side_and_decodes_them_together(
         return args
 
     out = tmp_path / "ens"
-    assert main(recipe(out, "recipe.ensemble=2")) == 0
+    assert done(main(recipe(out, "recipe.ensemble=2")), out)
     printed = capsys.readouterr().out
     results = json.loads((out / "results.json").read_text())
     assert results["ensemble"] == 2 and "an ensemble of 2 models" in printed
@@ -351,7 +363,7 @@ def test_ensemble_recipe_trains_members_side_by_side_and_decodes_them_together(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        assert main(recipe(tmp_path / "alone")) == 0
+        assert done(main(recipe(tmp_path / "alone")), tmp_path / "alone")
     finally:
         torch.set_num_threads(threads)
     logs = [

@@ -434,20 +434,6 @@ def _lengths(text: str) -> tuple[int, int]:
     return lo, hi
 
 
-def _resolve_bench_dtype(dtype: str, what: str, device: str) -> str:
-    """bench's --dtype with "auto" made what train (train, peak) or translate (decode)
-    would run on this machine."""
-    if dtype != "auto":
-        return dtype
-    if what == "decode":
-        from aiayn.fast.machine import resolve_decode_dtype
-
-        return resolve_decode_dtype("auto", device)
-    from aiayn.training.precision import resolve_dtype
-
-    return resolve_dtype("auto", device)
-
-
 def cmd_bench(args: argparse.Namespace) -> int:
     """`aiayn bench`: one measurement per dtype, a line (or JSON object) each."""
     from aiayn.experiments import bench
@@ -457,8 +443,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
-    for requested in args.dtype.split(","):
-        dtype = _resolve_bench_dtype(requested, args.what, args.device)
+    for dtype in args.dtype.split(","):  # "auto" is resolved by each measurement
         if args.what == "peak":
             result = bench.bench_peak(dtype, args.device)
         elif args.what == "train":
@@ -486,8 +471,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 workers=args.workers,
                 vocab=args.vocab_size,
             )
-        if requested == "auto":
-            result["dtype_requested"] = "auto"
         if args.json:
             print(json.dumps(result), flush=True)
         else:

@@ -77,7 +77,11 @@ def _sync(device: torch.device) -> None:
 
 
 def bench_peak(dtype: str = "bf16", device: str = "cpu", n: int | None = None) -> dict[str, Any]:
-    """The matrix-product ceiling in FLOP/s (fp16 on a CPU: n = 512, see bench_train)."""
+    """The matrix-product ceiling in FLOP/s (fp16 on a CPU: n = 512, see bench_train);
+    dtype auto: the precision training would run in here."""
+    from aiayn.training.precision import resolve_dtype
+
+    dtype = resolve_dtype(dtype, device)
     n = n or (512 if dtype == "fp16" and torch.device(device).type == "cpu" else peak_size(device))
     flops = matmul_peak(DTYPES[dtype], n=n, device=device)
     return {"bench": "peak", "dtype": dtype, "device": device, "n": n, "tflops": flops / 1e12}
@@ -155,9 +159,12 @@ def bench_train(
     its batches vary); the compilation happens in the warm-up steps, reported as
     `warmup_seconds`, not in the median.
     """
+    from aiayn.training.precision import resolve_dtype
+
+    requested, dtype = dtype, resolve_dtype(dtype, device)  # auto: what train would run
     if dtype not in TRAIN_DTYPES:
         raise ValueError(
-            f"training runs in {' or '.join(TRAIN_DTYPES)}, not {dtype!r} "
+            f"training runs in auto, {' or '.join(TRAIN_DTYPES)}, not {dtype!r} "
             "(int8 is a decoding mode: bench decode --dtype int8)"
         )
     dev = torch.device(device)
@@ -204,6 +211,7 @@ def bench_train(
         "bench": "train",
         "preset": preset,
         "dtype": dtype,
+        "dtype_requested": requested,
         "device": device,
         "batch_sentences": batch,
         "lengths": list(lengths),
@@ -261,9 +269,10 @@ def bench_decode(
     """
     from aiayn.decoding.search import beam_search, greedy_search
     from aiayn.decoding.workers import check_workers, map_batches
-    from aiayn.fast.machine import cast_for_inference
+    from aiayn.fast.machine import cast_for_inference, resolve_decode_dtype
 
     check_workers(workers, device)
+    requested, dtype = dtype, resolve_decode_dtype(dtype, device)  # auto: translate's choice
     cfg = get_preset(preset)
     dev = torch.device(device)
     if dtype not in DECODE_DTYPES:
@@ -311,6 +320,7 @@ def bench_decode(
         "bench": "decode",
         "preset": preset,
         "dtype": dtype,
+        "dtype_requested": requested,
         "device": device,
         "beam": beam,
         "alpha": alpha,
