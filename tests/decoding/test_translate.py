@@ -414,7 +414,9 @@ def test_int8_linear_is_the_product_of_the_quantized_operands(bias: bool, monkey
     definition, the product exact, float32 rounding after it; and it stays within the analytic
     bound of the quantization error from the float32 Linear:
     |y - y_int8| <= sum_k |x_k| s_w / 2 + |w~_k| s_x / 2 (each operand off by half a
-    step). The same with PyTorch ops (no compiled library) and without torch._int_mm."""
+    step). The same with PyTorch ops (no compiled library), with each backend of the
+    integer product (`int8_ops.backend`: torch._int_mm where it is exact, aiayn's kernel,
+    float32 products of the integers)."""
     import aiayn.fast.int8_ops as tr
     from aiayn.fast import native
 
@@ -426,17 +428,26 @@ def test_int8_linear_is_the_product_of_the_quantized_operands(bias: bool, monkey
     assert torch.equal(layer.weight_int8, qw.to(torch.int8))
     x = torch.randn(4, 9, 200) * torch.rand(4, 9, 1) * 3
     x[1, 2] = 0.0  # an all-zero input row
-    cases = {
-        "native": None,
-        "torch ops": (native, "library", lambda: None),
-        "no _int_mm": (tr, "_has_int_mm", lambda: False),
+    exact_int_mm = tr._int_mm_exact()
+    cases: dict[str, list[tuple[object, str, object]]] = {
+        "native": [],
+        # no compiled library: PyTorch ops around torch._int_mm where it is exact here
+        "torch ops": [
+            (native, "library", lambda: None),
+            (tr, "backend", lambda: "torch" if exact_int_mm else "float"),
+        ],
+        "float products": [(tr, "backend", lambda: "float")],
     }
+    if native.library() is not None:
+        cases["aiayn kernel"] = [(tr, "backend", lambda: "aiayn")]
     outs = {}
-    for name, patch in cases.items():
-        if patch is not None:
+    for name, patches in cases.items():
+        for patch in patches:
             monkeypatch.setattr(*patch)
+        layer._weight = tr.Int8Weight(layer.weight_int8)  # as a layer made under them
         outs[name] = layer(x)
         monkeypatch.undo()
+    layer._weight = tr.Int8Weight(layer.weight_int8)
     x2 = x.reshape(-1, 200)
     qx, sx = _quantized(x2)
     exact = (qx @ qw.t()) * sx * sw.t() + (lin.bias.double() if bias else 0.0)
@@ -460,9 +471,10 @@ def test_int8_linear_is_the_product_of_the_quantized_operands(bias: bool, monkey
     torch.testing.assert_close(layer(strided), outs["native"].transpose(0, 1))
     # the FFN's first layer: ReLU in the dequantizing pass, the values of torch.relu after
     # the layer, with the compiled library and without
-    for name, patch in cases.items():
-        if patch is not None:
+    for name, patches in cases.items():
+        for patch in patches:
             monkeypatch.setattr(*patch)
+        layer._weight = tr.Int8Weight(layer.weight_int8)
         fused = layer.forward_relu(x)
         monkeypatch.undo()
         assert torch.equal(fused, torch.relu(outs[name])), name

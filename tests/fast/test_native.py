@@ -681,13 +681,18 @@ def test_int8_output_layer_in_blocks_in_a_beam_search(monkeypatch) -> None:  # t
     calls.clear()
     blocks = search.beam_search(model, src, beam=4, alpha=0.6, max_len_a=1.0, max_len_b=5, nbest=4)
     assert calls and set(calls) == {64}
-    # and with float32 products of the integers where torch._int_mm is missing (exact for
-    # this width), written into the same reused buffer
-    monkeypatch.setattr(int8_ops, "_has_int_mm", lambda: False)
-    no_int_mm = search.beam_search(
-        model, src, beam=4, alpha=0.6, max_len_a=1.0, max_len_b=5, nbest=4
-    )
-    assert no_int_mm == blocks
+    # and with each other backend of the products (exact, so the same search): aiayn's
+    # kernel and float32 products of the integers (exact for this width), written into
+    # the same reused buffer
+    for name in ("aiayn", "float"):
+        monkeypatch.setattr(int8_ops, "backend", lambda name=name: name)
+        for layer in model.modules():
+            if isinstance(layer, inference.Int8Linear):
+                layer._weight = int8_ops.Int8Weight(layer.weight_int8)
+        other = search.beam_search(
+            model, src, beam=4, alpha=0.6, max_len_a=1.0, max_len_b=5, nbest=4
+        )
+        assert other == blocks, name
     for a, b in zip(one, blocks, strict=True):
         assert [h.tokens for h in a] == [h.tokens for h in b]
         for ha, hb in zip(a, b, strict=True):
@@ -738,3 +743,56 @@ def test_int8_beam_search_is_the_same_with_the_fused_output_layer(monkeypatch) -
         model, src, beam=4, alpha=0.6, max_len_a=1.0, max_len_b=5, nbest=4, min_len=3
     )
     assert fused == plain
+
+
+# ------------------------------------------------------------------ int8 products
+@needs_cc
+@on_every_isa
+@pytest.mark.parametrize(
+    "m,n,k", [(1, 8, 4), (3, 13, 7), (37, 100, 130), (70, 24, 512), (5, 301, 1030)]
+)
+def test_int8_gemm_is_exact_over_the_whole_range(m: int, n: int, k: int) -> None:
+    """aiayn's int8 product (csrc/int8_gemm.c) on operands of the whole range [-127, 127],
+    extremes included (where oneDNN's kernel without VNNI saturates): the exact integer
+    product, for partial panels and k groups, any column range, both code paths and
+    thread splits."""
+    g = torch.Generator().manual_seed(m * n + k)
+    a = torch.randint(-127, 128, (m, k + 3), dtype=torch.int8, generator=g)[:, :k]  # strided
+    b = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    a[0, : min(k, 4)] = 127
+    b[0, : min(k, 4)] = -127  # a pair at its largest: 2 * 127 * 127
+    want = a.long() @ b.long().t()
+    packed = native.int8_pack(b)
+    assert packed is not None
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for plain in (False, True):
+                got = native.int8_gemm(a, packed, n, plain=plain)
+                assert got.dtype == torch.int32 and torch.equal(got.long(), want), (t, plain)
+            if n > 8:
+                part = native.int8_gemm(a, packed, n, 8, n - 1)
+                assert torch.equal(part.long(), want[:, 8 : n - 1])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_int8_products_are_exact_whatever_the_backend(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """`int8_ops.int8_matmul` and the layers' `Int8Weight`: exact with torch._int_mm where
+    it is exact here, with aiayn's kernel, and with the float fallback (K <= 1,040)."""
+    from aiayn.fast import int8_ops
+
+    g = torch.Generator().manual_seed(4)
+    a = torch.randint(-127, 128, (33, 520), dtype=torch.int8, generator=g)
+    b = torch.randint(-127, 128, (77, 520), dtype=torch.int8, generator=g)
+    want = a.long() @ b.long().t()
+    backends = ["aiayn", "float"] + (["torch"] if int8_ops._int_mm_exact() else [])
+    for name in backends:
+        if name == "aiayn" and native.library() is None:
+            continue
+        monkeypatch.setattr(int8_ops, "backend", lambda name=name: name)
+        assert torch.equal(int8_ops.int8_matmul(a, b).long(), want), name
+        w = int8_ops.Int8Weight(b)
+        assert (w.packed is not None) == (name == "aiayn")
+        assert torch.equal(w.matmul(a, 16, 77).long(), want[:, 16:]), name

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from aiayn.fast import native
 from aiayn.fast.cpu_ops import onednn_bf16
-from aiayn.fast.int8_ops import int8_matmul, quantize_per_row
+from aiayn.fast.int8_ops import Int8Weight, quantize_per_row
 from aiayn.fast.layers import accelerate
 from aiayn.model import Transformer
 
@@ -83,8 +83,9 @@ class Int8Linear(nn.Module):
 
     The weight is quantized once, symmetrically, with one scale per output column
     (s_w = max|W_j| / 127); each input row gets its own scale at run time (s_x =
-    max|x_i| / 127). The integer product is `torch._int_mm` (int8 x int8 -> int32, exact;
-    oneDNN's s8 GEMM in PyTorch's CPU build), the passes before and after it are
+    max|x_i| / 127). The integer product is exact (int8 x int8 -> int32): `torch._int_mm`
+    (oneDNN's s8 GEMM) where the CPU has VNNI, aiayn's kernel where oneDNN's would
+    saturate (`int8_ops.backend`); the passes before and after it are
     `native.quantize_rows` / `native.dequantize_rows` (PyTorch ops without the compiled
     library). This replaces `torch.ao.quantization.quantize_dynamic`, which PyTorch has
     deprecated (it printed a warning on every run) and whose activations share one scale
@@ -103,6 +104,18 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight_scale", weight_scale)
         bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
         self.register_buffer("bias", bias)
+        self._weight = Int8Weight(self.weight_int8)
+
+    # The product's copy of the weight (packed for aiayn's kernel) follows the buffer:
+    # `.to()` and friends replace it, load_state_dict writes into it.
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        out = super()._apply(fn, recurse)
+        self._weight = Int8Weight(self.weight_int8)
+        return out
+
+    def _load_from_state_dict(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        super()._load_from_state_dict(*args, **kwargs)
+        self._weight = Int8Weight(self.weight_int8)
 
     def forward(self, x: Tensor) -> Tensor:
         return self._forward(x, relu=False)
@@ -124,7 +137,7 @@ class Int8Linear(nn.Module):
         """The rows of x (..., in_features) quantized and multiplied: the (rows, out)
         int32 products and each row's scale."""
         x_int8, x_scale = self._quantized(x)
-        return int8_matmul(x_int8, self.weight_int8), x_scale
+        return self._weight.matmul(x_int8), x_scale
 
     def _forward(self, x: Tensor, relu: bool) -> Tensor:
         lead = x.shape[:-1]
@@ -153,13 +166,13 @@ class Int8Linear(nn.Module):
         x_int8, x_scale = self._quantized(x)
         rows, v = x_int8.size(0), self.out_features
         block = min(v, max(64, LSE_TOPK_BLOCK_BYTES // (4 * max(rows, 1)) // 64 * 64))
-        w = self.weight_int8
         # one buffer for every block: each is consumed before the next is made, and its
         # pages stay in cache
         flat = torch.empty(rows * block, dtype=torch.int32)
 
         def products(c0: int, c1: int) -> Tensor:
-            return int8_matmul(x_int8, w[c0:c1], out=flat[: rows * (c1 - c0)].view(rows, -1))
+            out = flat[: rows * (c1 - c0)].view(rows, -1)
+            return self._weight.matmul(x_int8, c0, c1, out=out)
 
         return native.lse_topk_int8_blocked(
             products, rows, v, x_scale, self.weight_scale, self.bias, k, exclude, block

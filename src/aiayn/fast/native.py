@@ -82,6 +82,7 @@ SOURCES = (
     CSRC / "dropout.c",
     CSRC / "smoothed_ce.c",
     CSRC / "int8_linear.c",
+    CSRC / "int8_gemm.c",
     CSRC / "bpe_dropout.c",
 )
 HEADERS = (CSRC / "simd_math.h", CSRC / "decode_attention_kernels.h")
@@ -167,6 +168,9 @@ _PLAIN_SIGNATURES: dict[str, list[Any]] = {
         _P,
     ],
     "aiayn_bpe_dropout": [_P, _P, _I64, _P, _P, _P, _I64, _I64, _U64, _U64, _P, _P],
+    "aiayn_int8_pack": [_P, _I64, _I64, _I64, _P],
+    "aiayn_int8_gemm": [_P, _I64, _I64, _I64, _I64, _P, _I64, _I64, _P, _I64],
+    "aiayn_int8_gemm_plain": [_P, _I64, _I64, _I64, _I64, _P, _I64, _I64, _P, _I64],
 }
 #: Sizes the attention kernels take at most (MAX_D, MAX_ROW, MAX_HEADS in the C code):
 #: d_k and d_v; h*d_k, h*d_v and (rows per sentence)*d_v; h and rows per sentence.
@@ -708,6 +712,76 @@ def dequantize_rows(
         acc.data_ptr(), 0, r, n, row_scale.data_ptr(), col_scale.data_ptr(), b, int(relu)
     )  # one thread, as quantize_rows
     return acc.view(torch.float32)
+
+
+#: Output columns per panel of a packed int8 weight (PANEL in csrc/int8_gemm.c).
+INT8_PANEL = 8
+
+
+def int8_pack(b: Tensor) -> Tensor | None:
+    """The (N, K) int8 weight `b` (unit column stride) packed for `int8_gemm`: panels of 8
+    output columns, 4 k at a time (csrc/int8_gemm.c). None without the library."""
+    lib = library()
+    if lib is None:
+        return None
+    assert b.dtype == torch.int8 and b.dim() == 2 and b.stride(1) == 1
+    n, k = b.shape
+    size = (n + INT8_PANEL - 1) // INT8_PANEL * ((k + 3) // 4) * 32
+    packed = torch.empty(size, dtype=torch.int8)
+    lib.aiayn_int8_pack(b.data_ptr(), b.stride(0), n, k, packed.data_ptr())
+    return packed
+
+
+#: Rows below which the two threads split a product's columns instead of its rows.
+INT8_MIN_ROWS_PER_THREAD = 8
+
+
+def int8_gemm(
+    a: Tensor,
+    packed: Tensor,
+    n: int,
+    c0: int = 0,
+    c1: int | None = None,
+    out: Tensor | None = None,
+    *,
+    plain: bool = False,
+) -> Tensor:
+    """a @ B[c0:c1].T exactly, for the (M, K) int8 `a` (unit column stride) and the weight
+    B (N = `n` rows) packed by `int8_pack`: (M, c1 - c0) int32, into `out` (contiguous) if
+    given. c0 a multiple of 8. `plain`: the C loops even where the AVX2 path was built (for
+    the tests). With two intra-op threads the rows (or, for few rows, the columns) are
+    split with the helper thread. Check `library()` first."""
+    lib = library()
+    assert lib is not None and a.dtype == torch.int8 and a.dim() == 2 and a.stride(1) == 1
+    c1 = n if c1 is None else c1
+    assert 0 <= c0 < c1 <= n and c0 % INT8_PANEL == 0, (c0, c1, n)
+    m, k = a.shape
+    if out is None:
+        out = torch.empty(m, c1 - c0, dtype=torch.int32)
+    assert out.shape == (m, c1 - c0) and out.dtype == torch.int32 and out.is_contiguous()
+    fn = lib.aiayn_int8_gemm_plain if plain else lib.aiayn_int8_gemm
+    ld = c1 - c0
+    if m >= 2 * INT8_MIN_ROWS_PER_THREAD or torch.get_num_threads() < 2:
+
+        def rows(part: int, r0: int, r1: int) -> None:
+            fn(a.data_ptr(), a.stride(0), r0, r1, k, packed.data_ptr(), c0, c1,
+               out.data_ptr() + 4 * r0 * ld, ld)  # fmt: skip
+
+        _in_two_parts(m, INT8_MIN_ROWS_PER_THREAD, rows)
+    else:  # few rows (greedy decoding of a few sentences): the columns in two halves
+        half = c0 + (c1 - c0) // 2 // (2 * INT8_PANEL) * (2 * INT8_PANEL)
+
+        def cols(lo: int, hi: int) -> None:
+            fn(a.data_ptr(), a.stride(0), 0, m, k, packed.data_ptr(), lo, hi,
+               out.data_ptr() + 4 * (lo - c0), ld)  # fmt: skip
+
+        if half <= c0:
+            cols(c0, c1)
+        else:
+            other = _helper().submit(cols, half, c1)
+            cols(c0, half)
+            other.result()
+    return out
 
 
 def bpe_dropout(

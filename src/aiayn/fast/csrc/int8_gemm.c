@@ -1,0 +1,179 @@
+/* Exact int8 x int8 -> int32 products for CPUs without VNNI (see native.py, int8_ops.py).
+ *
+ * Why: PyTorch's torch._int_mm is oneDNN's s8s8s32 GEMM. With AVX-512 VNNI or AMX it is
+ * exact and fast; without them (AVX2-only CPUs: Zen 2/3, Intel client chips; AVX-512
+ * CPUs before Cascade Lake) oneDNN adds 128 to one operand to use vpmaddubsw (u8 x s8,
+ * pairs summed into a saturating int16): a pair of products reaches (127 + 128) * 127 * 2 =
+ * 64,770 > 32,767, so most results come out wrong (measured: 99% of a 64 x 256 x 96
+ * product, errors up to 86,105; the same saturation garbles CTranslate2's int8 output on
+ * such CPUs). Here the signs move instead: vpmaddubsw(|a|, sign(b, a)) multiplies |a| (u8)
+ * by b with a's sign (s8), so each product is a * b and a pair's sum is at most
+ * 2 * 127 * 127 = 32,258: no saturation for operands in [-127, 127] (aiayn's quantization
+ * never makes -128). vpmaddwd by ones then sums the pairs into int32 exactly, as llama.cpp's
+ * AVX2 dot products do.
+ *
+ * Layout: B (N x K, the layer's weight) is packed once into panels of 8 rows (8 output
+ * columns): panel p holds, for each group of 4 k, the 4 bytes of each of its 8 rows, 32
+ * bytes (one ymm register) per group, zero-padded to whole panels and groups. A row of A
+ * is read 4 bytes at a time and broadcast. The kernel takes 4 rows of A and 2 panels (16
+ * columns) at a time in 8 accumulators; the plain-C path computes the same sums in int32.
+ * Every product is exact, so the result does not depend on the path, the blocking or the
+ * number of threads.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#define PANEL 8 /* output columns per panel */
+
+static inline int64_t groups_of(int64_t k) { return (k + 3) / 4; }
+
+/* B (n x k, row stride ldb) into `packed`: ceil(n / 8) panels of ceil(k / 4) groups of 32
+ * bytes (native.int8_pack sizes it). */
+void aiayn_int8_pack(const int8_t *b, int64_t ldb, int64_t n, int64_t k, int8_t *packed) {
+    const int64_t g = groups_of(k), panels = (n + PANEL - 1) / PANEL;
+    memset(packed, 0, (size_t)(panels * g * 32));
+    for (int64_t j = 0; j < n; j++) {
+        int8_t *panel = packed + (j / PANEL) * g * 32 + (j % PANEL) * 4;
+        for (int64_t kk = 0; kk < k; kk++) panel[(kk / 4) * 32 + kk % 4] = b[j * ldb + kk];
+    }
+}
+
+/* Four bytes of row `a` from k-group q (zeros past k): the broadcast operand. */
+static inline int32_t group_at(const int8_t *a, int64_t q, int64_t k) {
+    int32_t v = 0;
+    int64_t at = 4 * q, left = k - at;
+    memcpy(&v, a + at, (size_t)(left >= 4 ? 4 : left));
+    return v;
+}
+
+/* Plain C: columns [c0, c0 + nc) of rows [r0, r1). */
+static void gemm_plain(const int8_t *a, int64_t lda, int64_t r0, int64_t r1, int64_t k,
+                       const int8_t *packed, int64_t c0, int64_t nc, int32_t *c,
+                       int64_t ldc) {
+    const int64_t g = groups_of(k);
+    for (int64_t i = r0; i < r1; i++) {
+        const int8_t *ar = a + i * lda;
+        for (int64_t j = 0; j < nc; j++) {
+            const int64_t col = c0 + j;
+            const int8_t *panel = packed + (col / PANEL) * g * 32 + (col % PANEL) * 4;
+            int32_t s = 0;
+            for (int64_t q = 0; q < g; q++) {
+                int8_t av[4];
+                int32_t v = group_at(ar, q, k);
+                memcpy(av, &v, 4);
+                for (int t = 0; t < 4; t++) s += (int32_t)av[t] * (int32_t)panel[q * 32 + t];
+            }
+            c[(i - r0) * ldc + j] = s;
+        }
+    }
+}
+
+#if defined(__AVX2__)
+/* One row's step: acc += pairs of |a| x sign(b, a), summed into int32 (exact, see top). */
+#define STEP(acc, au, av, b, ones) \
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(au, _mm256_sign_epi8(b, av)), ones))
+
+/* 4 rows x 16 columns (panels p0, p1), all k groups whole (k % 4 == 0): the common case,
+ * written out so that the 8 accumulators stay in registers. */
+static inline void tile_4x2(const int8_t *const *ar, const int8_t *p0, const int8_t *p1,
+                            int64_t g, int32_t *c, int64_t ldc) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i c00 = _mm256_setzero_si256(), c01 = c00, c10 = c00, c11 = c00;
+    __m256i c20 = c00, c21 = c00, c30 = c00, c31 = c00;
+    const int8_t *a0 = ar[0], *a1 = ar[1], *a2 = ar[2], *a3 = ar[3];
+    for (int64_t q = 0; q < g; q++) {
+        const __m256i b0 = _mm256_loadu_si256((const __m256i *)(p0 + q * 32));
+        const __m256i b1 = _mm256_loadu_si256((const __m256i *)(p1 + q * 32));
+        int32_t v0, v1, v2, v3;
+        memcpy(&v0, a0 + 4 * q, 4);
+        memcpy(&v1, a1 + 4 * q, 4);
+        memcpy(&v2, a2 + 4 * q, 4);
+        memcpy(&v3, a3 + 4 * q, 4);
+        __m256i av = _mm256_set1_epi32(v0), au = _mm256_abs_epi8(av);
+        STEP(c00, au, av, b0, ones);
+        STEP(c01, au, av, b1, ones);
+        av = _mm256_set1_epi32(v1), au = _mm256_abs_epi8(av);
+        STEP(c10, au, av, b0, ones);
+        STEP(c11, au, av, b1, ones);
+        av = _mm256_set1_epi32(v2), au = _mm256_abs_epi8(av);
+        STEP(c20, au, av, b0, ones);
+        STEP(c21, au, av, b1, ones);
+        av = _mm256_set1_epi32(v3), au = _mm256_abs_epi8(av);
+        STEP(c30, au, av, b0, ones);
+        STEP(c31, au, av, b1, ones);
+    }
+    _mm256_storeu_si256((__m256i *)(c), c00);
+    _mm256_storeu_si256((__m256i *)(c + 8), c01);
+    _mm256_storeu_si256((__m256i *)(c + ldc), c10);
+    _mm256_storeu_si256((__m256i *)(c + ldc + 8), c11);
+    _mm256_storeu_si256((__m256i *)(c + 2 * ldc), c20);
+    _mm256_storeu_si256((__m256i *)(c + 2 * ldc + 8), c21);
+    _mm256_storeu_si256((__m256i *)(c + 3 * ldc), c30);
+    _mm256_storeu_si256((__m256i *)(c + 3 * ldc + 8), c31);
+}
+
+/* Any tile at the edges: rows <= 4 x (one or two panels; `cols` of their 16 columns
+ * stored), a last partial k group read through group_at. */
+static void tile_edge(const int8_t *const *ar, int rows, const int8_t *p0, const int8_t *p1,
+                      int64_t g, int64_t k, int32_t *c, int64_t ldc, int cols) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int64_t full = k / 4;
+    for (int r = 0; r < rows; r++) {
+        __m256i acc0 = _mm256_setzero_si256(), acc1 = acc0;
+        for (int64_t q = 0; q < g; q++) {
+            int32_t v;
+            if (q < full)
+                memcpy(&v, ar[r] + 4 * q, 4);
+            else
+                v = group_at(ar[r], q, k);
+            const __m256i av = _mm256_set1_epi32(v);
+            const __m256i au = _mm256_abs_epi8(av);
+            STEP(acc0, au, av, _mm256_loadu_si256((const __m256i *)(p0 + q * 32)), ones);
+            if (p1) STEP(acc1, au, av, _mm256_loadu_si256((const __m256i *)(p1 + q * 32)), ones);
+        }
+        int32_t out[16];
+        _mm256_storeu_si256((__m256i *)out, acc0);
+        _mm256_storeu_si256((__m256i *)(out + 8), acc1);
+        memcpy(c + r * ldc, out, (size_t)cols * sizeof(int32_t));
+    }
+}
+#endif
+
+/* c (rows [r0, r1) x columns [c0, c1), row stride ldc; row r0 at c) = A x B^T for A
+ * (m x k, row stride lda) and B packed by aiayn_int8_pack (n columns); c0 a multiple of
+ * 8. Rows are taken from r0 so that two threads can split them. */
+void aiayn_int8_gemm(const int8_t *a, int64_t lda, int64_t r0, int64_t r1, int64_t k,
+                     const int8_t *packed, int64_t c0, int64_t c1, int32_t *c, int64_t ldc) {
+    if (r1 <= r0 || c1 <= c0) return;
+#if defined(__AVX2__)
+    const int64_t g = groups_of(k);
+    for (int64_t i = r0; i < r1; i += 4) {
+        const int rows = (int)(r1 - i < 4 ? r1 - i : 4);
+        const int8_t *ar[4];
+        for (int r = 0; r < 4; r++) ar[r] = a + (i + (r < rows ? r : 0)) * lda;
+        for (int64_t j = c0; j < c1; j += 2 * PANEL) {
+            const int cols = (int)(c1 - j < 2 * PANEL ? c1 - j : 2 * PANEL);
+            const int8_t *p0 = packed + (j / PANEL) * g * 32;
+            const int8_t *p1 = cols > PANEL ? p0 + g * 32 : NULL;
+            int32_t *cij = c + (i - r0) * ldc + (j - c0);
+            if (rows == 4 && cols == 2 * PANEL && k % 4 == 0)
+                tile_4x2(ar, p0, p1, g, cij, ldc);
+            else
+                tile_edge(ar, rows, p0, p1, g, k, cij, ldc, cols);
+        }
+    }
+#else
+    gemm_plain(a, lda, r0, r1, k, packed, c0, c1 - c0, c, ldc);
+#endif
+}
+
+/* The plain-C path alone, whatever the build (the tests compare the two). */
+void aiayn_int8_gemm_plain(const int8_t *a, int64_t lda, int64_t r0, int64_t r1, int64_t k,
+                           const int8_t *packed, int64_t c0, int64_t c1, int32_t *c,
+                           int64_t ldc) {
+    if (r1 > r0 && c1 > c0) gemm_plain(a, lda, r0, r1, k, packed, c0, c1 - c0, c, ldc);
+}
