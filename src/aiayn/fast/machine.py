@@ -85,7 +85,7 @@ TRAIN_N = 512
 PROBE_MODEL = {"N": 2, "d_model": 256, "d_ff": 1024, "h": 4, "d_k": 64, "d_v": 64}
 PROBE_VOCAB, PROBE_SENTENCES, PROBE_BEAM, PROBE_STEPS = 8000, 32, 4, 8
 #: Bump when the probe's method changes: cached results of an older probe are not reused.
-PROBE_VERSION = 2
+PROBE_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -101,6 +101,9 @@ class Rates:
     product probe shows bf16 emulated (under a fifth of float32's rate), the bf16 search is
     not run (it takes seconds there) and its rate is float32's scaled by that ratio.
     int8_fallback: PyTorch warned that its int8 product fell back to a generic loop.
+    int8_backend: what computed the int8 products (`int8_ops.backend`): "torch"
+    (torch._int_mm, exact here: VNNI or AMX), "aiayn" (aiayn's exact kernel, where
+    oneDNN's would saturate) or "float".
     """
 
     train_fp32: float
@@ -111,6 +114,7 @@ class Rates:
     threads: int
     seconds: float = 0.0
     int8_fallback: bool = False
+    int8_backend: str = "torch"
 
     def decode(self, dtype: str) -> float:
         return {"fp32": self.decode_fp32, "bf16": self.decode_bf16, "int8": self.decode_int8}[dtype]
@@ -197,6 +201,8 @@ def measure_rates() -> Rates:
     if emulated:
         decode["bf16"] = decode["fp32"] * train["bf16"] / train["fp32"]
     fallback = any("switching to BLAS" in str(w.message) for w in caught)
+    from aiayn.fast import int8_ops
+
     return Rates(
         train_fp32=train["fp32"],
         train_bf16=train["bf16"],
@@ -206,6 +212,7 @@ def measure_rates() -> Rates:
         threads=torch.get_num_threads(),
         seconds=time.perf_counter() - t0,
         int8_fallback=fallback,
+        int8_backend=int8_ops.backend(),
     )
 
 
@@ -355,7 +362,8 @@ def describe(choice: Choice | None = None, c: Cpu | None = None) -> str:
     rates = (
         f"; products fp32 {r.train_fp32:.0f}, bf16 {r.train_bf16:.0f} GFLOP/s, "
         f"probe search fp32 {r.decode_fp32:.0f} / bf16 {r.decode_bf16:.0f} / int8 "
-        f"{r.decode_int8:.0f} sentences/s on {r.threads} thread{'s' if r.threads > 1 else ''}"
+        f"{r.decode_int8:.0f} sentences/s (int8 products: {r.int8_backend}); "
+        f"{r.threads} thread{'s' if r.threads > 1 else ''}"
         if r
         else ""
     )
