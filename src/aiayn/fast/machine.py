@@ -3,22 +3,22 @@ compiled kernels.
 
 Why a seam of its own: the same code is fast on one CPU and ten times slower on another.
 bf16 autocast is ~6x float32 on AMX (Sapphire Rapids) and ~2x with AVX-512 BF16 (Zen 4),
-but emulated, ~10x slower than float32, on AVX2-only CPUs (Zen 2/3, Intel client chips),
-the commonest x86 machines; int8 products are fast where oneDNN has an s8 GEMM for the
-CPU and slow where PyTorch falls back to its generic loop. So the defaults ("auto") are
-decided here, for the machine a command runs on, from two things:
+but emulated, 10-70x slower than float32, on AVX2-only CPUs (Zen 2/3, Intel client
+chips), the commonest x86 machines; PyTorch's int8 products are exact and fast only with
+VNNI (elsewhere aiayn's own kernel computes them: `int8_ops`). So the defaults ("auto")
+are decided here, for the machine a command runs on, from two things:
 
-- the CPU's class (`CPU_CLASSES`), read from its feature flags (/proc/cpuinfo), capped by
-  `AIAYN_CPU_ISA` or oneDNN's own `ONEDNN_MAX_CPU_ISA` where set (the way to run, and test,
-  one class's choices on a bigger CPU: `isa_environment`);
-- a short probe of the product rates the precisions really get here (`probe`: fp32, bf16
-  and int8 products of decoding and training shapes through the layers decoding uses,
-  under a second even where bf16 is emulated), cached on disk per CPU, software and thread
-  count.
+- the CPU's class (`aiayn.cpu_isa.CPU_CLASSES`), read from its feature flags
+  (/proc/cpuinfo), capped by `AIAYN_CPU_ISA` or oneDNN's own `ONEDNN_MAX_CPU_ISA` where set
+  (the way to run, and test, one class's choices on a bigger CPU: `isa_environment`);
+- a short probe of what each precision really gets here (`probe`: 512^3 products in
+  fp32 and bf16 as training runs them, and a small beam search in fp32, bf16 and int8 as
+  decoding runs it; 0.1-2 s), cached on disk per CPU, class cap and torch version.
 
 `choose(cpu_class, rates)` turns them into a `Choice` and is a pure function, so the tests
 check every class's choices on any one machine by injecting flags and probe results.
-`best()` is this machine's choice; `describe()` the line the commands print.
+`best()` is this machine's choice, `describe()` the line the commands print, and
+`cast_for_inference` makes a model the precision asked for ("auto" included).
 """
 
 from __future__ import annotations
@@ -96,8 +96,8 @@ class Rates:
     runs them. decode_fp32, decode_bf16, decode_int8: sentences/s of a small decoding
     search (`PROBE_MODEL`: encoder, then `PROBE_STEPS` incremental steps of
     `PROBE_SENTENCES` x `PROBE_BEAM` rows with the beam step's normaliser and top-k) in
-    each inference precision, as `inference.cast_for_inference` makes the model, on one
-    thread (`threads` is the training products' thread count). Where the
+    each inference precision, as `cast_for_inference` makes the model, on one thread
+    (`threads` is the training products' thread count). Where the
     product probe shows bf16 emulated (under a fifth of float32's rate), the bf16 search is
     not run (it takes seconds there) and its rate is float32's scaled by that ratio.
     int8_fallback: PyTorch warned that its int8 product fell back to a generic loop.
@@ -273,8 +273,8 @@ def probe(*, refresh: bool = False) -> Rates:
 #: products slower than float32's (AMX: ~6x, AVX-512 BF16: ~2x; emulated: ~0.01-0.1x, so a
 #: noisy probe on a busy machine cannot flip the choice).
 BF16_TRAIN_GAIN = 1.0
-#: A lower decoding precision is the default only where its layer runs at least this much
-#: faster than the next higher one's: the gain must outweigh its rounding.
+#: A lower decoding precision is the default only where the probe's search runs at least
+#: this much faster in it than in the next higher one: the gain must outweigh its rounding.
 DECODE_GAIN = 1.15
 
 
@@ -298,10 +298,10 @@ def choose(cls: str, rates: Rates) -> Choice:
     measured `rates` (pure: the tests give it every class).
 
     Training: bf16 where the CPU multiplies bf16 natively (`NATIVE_BF16`) and the probe
-    confirms it (`BF16_TRAIN_GAIN`), else float32. Decoding: the fastest of the three
-    inference layers as measured, a lower precision only where it gains `DECODE_GAIN`
-    over the higher (int8 against the best float, bf16 against float32), and int8 not
-    where PyTorch fell back to its generic int8 loop.
+    confirms it (`BF16_TRAIN_GAIN`), else float32. Decoding: the fastest of the probe's
+    three searches, a lower precision only where it gains `DECODE_GAIN` over the higher
+    (int8 against the best float, bf16 against float32), and int8 not where PyTorch fell
+    back to its generic int8 loop.
     """
     if cls not in CPU_CLASSES:
         raise ValueError(f"unknown CPU class {cls!r}")

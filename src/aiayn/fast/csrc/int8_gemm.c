@@ -151,12 +151,18 @@ void aiayn_int8_gemm(const int8_t *a, int64_t lda, int64_t r0, int64_t r1, int64
     if (r1 <= r0 || c1 <= c0) return;
 #if defined(__AVX2__)
     const int64_t g = groups_of(k);
+    /* columns in blocks whose packed weights (16 KiB) stay in L1 while every row block
+     * passes over them; the rows (M x k bytes) are read again per block, from L2 */
+    int64_t nb = (16384 / (g * 32 * 2 * PANEL)) * 2 * PANEL;
+    if (nb < 2 * PANEL) nb = 2 * PANEL;
+    for (int64_t jb = c0; jb < c1; jb += nb) {
+    const int64_t jend = jb + nb < c1 ? jb + nb : c1;
     for (int64_t i = r0; i < r1; i += 4) {
         const int rows = (int)(r1 - i < 4 ? r1 - i : 4);
         const int8_t *ar[4];
         for (int r = 0; r < 4; r++) ar[r] = a + (i + (r < rows ? r : 0)) * lda;
-        for (int64_t j = c0; j < c1; j += 2 * PANEL) {
-            const int cols = (int)(c1 - j < 2 * PANEL ? c1 - j : 2 * PANEL);
+        for (int64_t j = jb; j < jend; j += 2 * PANEL) {
+            const int cols = (int)(jend - j < 2 * PANEL ? jend - j : 2 * PANEL);
             const int8_t *p0 = packed + (j / PANEL) * g * 32;
             const int8_t *p1 = cols > PANEL ? p0 + g * 32 : NULL;
             int32_t *cij = c + (i - r0) * ldc + (j - c0);
@@ -165,6 +171,7 @@ void aiayn_int8_gemm(const int8_t *a, int64_t lda, int64_t r0, int64_t r1, int64
             else
                 tile_edge(ar, rows, p0, p1, g, k, cij, ldc, cols);
         }
+    }
     }
 #else
     gemm_plain(a, lda, r0, r1, k, packed, c0, c1 - c0, c, ldc);
