@@ -603,7 +603,7 @@ def _train_run(
             "train_seconds": previous.train_seconds,
             "trainer_valid_ppl": previous.trainer_valid_ppl,
         }
-    (averaged,) = stages.average_stage(exp.recipe, runs)
+    (averaged,) = stages.average_stage(exp.recipe, runs, cfg.train)
     scores = score_run(run_dir, prepared, cfg, exp, device)
     result = RunResult(
         row=spec.name,
