@@ -511,3 +511,26 @@ def test_recipe_arms_runs_each_arm_and_tabulates_its_results(tmp_path, monkeypat
     assert "| one |" in printed and "| two | " in printed
     assert arms.main(argv) == 0  # both done: nothing runs again
     assert ": exit" not in capsys.readouterr().out
+
+
+def test_a_run_stopped_short_averages_the_same_share_of_its_steps(tmp_path):
+    """The En->De recipe averages 10 checkpoints 200 steps apart, the last 15% of its
+    13,000 steps; a run its budget stopped at step 1,056 averages the checkpoints of its
+    own last 15% (from step 893: 1,000 and 1,056), not ten reaching back to step 200; a
+    whole run, or one saved by minutes, is left as it is."""
+    from aiayn.config import TrainConfig
+    from aiayn.experiments.stages import average_window
+
+    def paths(steps: list[int]) -> list[Path]:
+        return [tmp_path / f"checkpoint_{s}.pt" for s in steps]
+
+    short = paths([200, 400, 600, 800, 1000, 1056])
+    recipe = TrainConfig(max_steps=13000, save_interval_steps=200)
+    assert average_window(short, recipe, 10) == paths([1000, 1056])
+    assert average_window(short, recipe, 40) == paths([600, 800, 1000, 1056])  # 61.5%
+    ten = paths(list(range(11200, 13001, 200)))
+    assert average_window(ten, recipe, 10) == ten  # the whole run: its window as written
+    assert average_window(paths([10, 20]), recipe, 10) == paths([20])  # the newest at least
+    by_minutes = TrainConfig(max_steps=13000, save_interval_steps=0, save_interval_minutes=10)
+    assert average_window(short, by_minutes, 10) == short
+    assert average_window(short, None, 10) == short

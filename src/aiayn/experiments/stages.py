@@ -73,10 +73,10 @@ def train_stage(
     return runs, train_members(cfg, prepared, out, recipe.ensemble, device=device, hooks=hooks)
 
 
-def average_window(paths: list[Path], train: TrainConfig | None) -> list[Path]:
+def average_window(paths: list[Path], train: TrainConfig | None, k: int) -> list[Path]:
     """The checkpoints of `paths` (a run's last ones, by step) that a run stopped short of
     max_steps still averages: those in the same share of its steps as the recipe's window
-    is of a whole run (average_last x save_interval_steps of max_steps; the En->De
+    is of a whole run (k = average_last x save_interval_steps of max_steps; the En->De
     recipe's 10 x 200 of 13,000 is its last 15%), the newest always. A 10-minute run that
     stops at step 1,056 then averages its checkpoints from step 894 on (1,000 and 1,056)
     rather than the 200-1,056 of ten 200-step checkpoints, most of them from before the
@@ -88,13 +88,13 @@ def average_window(paths: list[Path], train: TrainConfig | None) -> list[Path]:
     last = steps[-1]
     if last >= train.max_steps:
         return paths
-    share = min(1.0, len(paths) * train.save_interval_steps / train.max_steps)
+    share = min(1.0, k * train.save_interval_steps / train.max_steps)
     start = last * (1 - share)
     kept = [p for p, s in zip(paths, steps, strict=True) if s >= start] or paths[-1:]
     if len(kept) < len(paths):
         log.info(
-            "averaging the %d checkpoints from step %d on (of %d): the run stopped at step "
-            "%d of %d, so the last %.0f%% of its steps, as the whole run's window would be",
+            "averaging the %d checkpoints from step %d on (of the last %d): the run stopped at "
+            "step %d of %d, so its last %.0f%% of steps, the share the whole run's window is",
             len(kept),
             int(kept[0].stem.rsplit("_", 1)[1]),
             len(paths),
@@ -114,7 +114,8 @@ def average_stage(
 
     averaged = []
     for run in runs:
-        paths = average_window(list_last(run, recipe.average_last, strict=False), train)
+        last = list_last(run, recipe.average_last, strict=False)
+        paths = average_window(last, train, recipe.average_last)
         save_checkpoint_file(run / "checkpoint_avg.pt", average_checkpoints(paths))
         averaged.append([p.name for p in paths])
     return averaged
