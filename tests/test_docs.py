@@ -93,7 +93,7 @@ def test_results_table3_section_is_generated_from_the_probes_csv() -> None:
     """docs/results.md's Table 3 table is `aiayn table3 --import-probes`'s markdown, as is:
     a probe added to the CSV, or a number edited by hand, fails here."""
     from aiayn.experiments import table3
-    from aiayn.experiments.recipe_config import load_recipe
+    from aiayn.experiments.tasks import load_recipe
 
     base_cfg, recipe = load_recipe(ROOT / "configs" / "multi30k-en-de.toml")
     probes = ROOT / "docs" / "m30k-en-de-probes.csv"

@@ -140,3 +140,43 @@ def test_the_checks_fail_on_a_cycle_and_on_an_upward_import(tmp_path: Path) -> N
     finally:
         PACKAGE = saved
     assert LAYERS[unit("aiayn.training.trainer")] > LAYERS[unit("aiayn.model")]
+
+
+#: Inside `aiayn.experiments`, by layer (issue 69): the shared pipeline's stages below the
+#: tasks (`experiments/tasks/`: translation, parsing), the tasks below the runner that
+#: drives them (`recipe`), and the sweeps above that. A task never imports another.
+EXPERIMENT_LAYERS = {
+    "__init__": 0,
+    "recipe_config": 0,
+    "manifest": 0,
+    "curves": 0,
+    "members": 1,
+    "stages": 2,
+    "bench": 2,
+    "tasks": 3,
+    "recipe": 4,
+    "table3": 5,
+}
+
+
+def sub_unit(module: str) -> str:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 else "__init__"
+
+
+def test_tasks_sit_between_the_shared_stages_and_the_runner() -> None:
+    known = {m: p for m, p in modules().items() if unit(m) == "experiments"}
+    assert {sub_unit(m) for m in known} <= set(EXPERIMENT_LAYERS), "give it a layer"
+    wrong = []
+    for name, path in known.items():
+        for target, line in imports(path, modules()):
+            if unit(target) != "experiments":
+                continue
+            a, b = sub_unit(name), sub_unit(target)
+            if a != b and EXPERIMENT_LAYERS[b] >= EXPERIMENT_LAYERS[a]:
+                wrong.append(f"{path.relative_to(ROOT)}:{line}: {name} imports {target}")
+            task_a, task_b = name.split(".")[3:4], target.split(".")[3:4]
+            same_package = a == b == "tasks" and task_a and task_b and task_a != task_b
+            if same_package and "base" not in (task_a[0], task_b[0]):
+                wrong.append(f"{path.relative_to(ROOT)}:{line}: a task imports {target}")
+    assert not wrong, "\n".join(wrong)

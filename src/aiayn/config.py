@@ -385,13 +385,15 @@ def get_preset(name: str) -> Config:
     """Return a preset by name; an unknown name is an error naming the closest one."""
     if name not in PRESETS:
         raise ConfigError(
-            f"unknown preset {name!r}{_did_you_mean(name, PRESETS)}; "
+            f"unknown preset {name!r}{did_you_mean(name, PRESETS)}; "
             f"choose from {', '.join(PRESETS)}"
         )
     return PRESETS[name]
 
 
-def _did_you_mean(key: str, candidates: Any) -> str:
+def did_you_mean(key: str, candidates: Any) -> str:
+    """ " (did you mean 'X'?)" for the known name closest to a mistyped `key`, or "": the one
+    hint every configuration reader gives (presets, config keys, [recipe], Table 3 files)."""
     close = difflib.get_close_matches(key, list(candidates), n=1, cutoff=0.5)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
@@ -442,7 +444,7 @@ def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
     sections: dict[str, dict[str, Any]] = {}
     for key, value in overrides.items():
         if key not in keys:
-            raise ConfigError(f"unknown config key {key!r}{_did_you_mean(key, keys)}")
+            raise ConfigError(f"unknown config key {key!r}{did_you_mean(key, keys)}")
         section, _ = keys[key]
         name = key.split(".")[-1]
         current = getattr(getattr(cfg, section), name)
@@ -498,7 +500,7 @@ def load_experiment(path: str | Path) -> tuple[Config, dict[str, Any]]:
             what = "table" if isinstance(value, dict) else "top-level key"
             raise ConfigError(
                 f"{path}: unknown {what} {key!r}"
-                f"{_did_you_mean(key, [*_SECTION_TYPES, *EXTRA_TABLES, 'preset'])}"
+                f"{did_you_mean(key, [*_SECTION_TYPES, *EXTRA_TABLES, 'preset'])}"
             )
     try:
         return apply_overrides(cfg, overrides), extra

@@ -486,7 +486,7 @@ def test_tune_alpha_keeps_the_alpha_whose_translations_match_the_references(
 ) -> None:
     """The recipe's alpha search (section 6.1: alpha chosen on the development set): with
     the references set to one alpha's own translations, that alpha must be chosen."""
-    from aiayn.experiments.recipe import tune_alpha
+    from aiayn.experiments.tasks.translation import tune_alpha
 
     lines = sentences(16, seed=3)
     src = tmp_path / "val.src"
@@ -527,7 +527,7 @@ def test_tune_alpha_screens_a_model_that_is_not_usable_before_the_grid(
     """With more validation sentences than the screen, the first ones are decoded at the
     grid's first alpha; a model scoring below UNUSABLE_BLEU there (references that share
     no word with its outputs) keeps the configured alpha and no alpha is decoded."""
-    from aiayn.experiments.recipe import UNUSABLE_BLEU, tune_alpha
+    from aiayn.experiments.tasks.translation import UNUSABLE_BLEU, tune_alpha
 
     lines = sentences(12, seed=3)
     src = tmp_path / "val.src"
@@ -553,7 +553,7 @@ def test_tune_alpha_screens_a_model_that_is_not_usable_before_the_grid(
 
 
 def test_a_model_near_bleu_0_is_reported_as_not_trained_enough() -> None:
-    from aiayn.experiments.recipe import USABLE_STEPS, not_trained_enough
+    from aiayn.experiments.tasks.translation import USABLE_STEPS, not_trained_enough
 
     train = {"steps": 5, "train_seconds": 600.0, "tokens": 60_000}
     flag = not_trained_enough(0.0, train, 10, "fp32")

@@ -10,8 +10,9 @@ import pytest
 
 from aiayn.cli import main
 from aiayn.config import ConfigError, get_preset
-from aiayn.experiments.parse_recipe import _score_all, mix_silver, run_parse_recipe
-from aiayn.experiments.recipe_config import load_recipe
+from aiayn.experiments.recipe import run_recipe
+from aiayn.experiments.tasks import load_recipe
+from aiayn.experiments.tasks.parsing import _score_all, mix_silver
 from aiayn.files import read_lines
 from aiayn.scoring.evalb import score_files as score_tree_files
 from helpers import ROOT
@@ -90,7 +91,7 @@ def test_the_recipe_file_keeps_the_papers_decoding_and_layers():
 @pytest.mark.parametrize(
     ("key", "value", "message"),
     [
-        ("recipe.dataset", "wsj", "recipe.dataset must be one of"),
+        ("recipe.dataset", "wsj", "task 'parse' reads recipe.dataset 'ptb', not 'wsj'"),
         ("recipe.tune_beam", "4,x", "comma-separated integers"),
         ("recipe.silver_ratio", "0", "silver_ratio must be > 0"),
         ("recipe.treebank_split", "mine", "treebank_split must be"),
@@ -105,7 +106,27 @@ def test_bad_parse_recipe_settings_are_refused_by_name(key, value, message):
 def test_parse_only_keys_are_refused_for_translation(tmp_path):
     path = tmp_path / "t.toml"
     path.write_text('preset = "tiny"\n[recipe]\ndataset = "multi30k"\ntune_beam = [4]\n')
-    with pytest.raises(ConfigError, match="recipe.tune_beam is for dataset = 'ptb' only"):
+    with pytest.raises(ConfigError, match="recipe.tune_beam is for task = 'parse' only"):
+        load_recipe(path)
+    path.write_text(
+        'preset = "tiny"\n[recipe]\ntask = "parse"\ndataset = "ptb"\nlowercase = true\n'
+    )
+    with pytest.raises(ConfigError, match="recipe.lowercase is for task = 'translate' only"):
+        load_recipe(path)
+
+
+def test_the_task_not_the_dataset_chooses_the_pipeline(tmp_path):
+    """A treebank under the translation task is refused with the way out, and so is an
+    unknown task (with the closest name)."""
+    path = tmp_path / "t.toml"
+    path.write_text('preset = "tiny"\n[recipe]\ndataset = "ptb"\n')
+    with pytest.raises(ConfigError, match="not 'ptb': set recipe.task = 'parse'"):
+        load_recipe(path)
+    path.write_text('preset = "tiny"\n[recipe]\ntask = "pasre"\ndataset = "ptb"\n')
+    with pytest.raises(ConfigError, match="did you mean 'parse'"):
+        load_recipe(path)
+    path.write_text('preset = "tiny"\n[recipe]\ntask = "parse"\ndataset = "wmt14"\n')
+    with pytest.raises(ConfigError, match="task 'parse' reads recipe.dataset 'ptb'"):
         load_recipe(path)
 
 
@@ -200,9 +221,7 @@ def test_parse_recipe_runs_end_to_end_and_both_scorers_agree(tmp_path, monkeypat
 
 def test_a_missing_evalb_source_is_refused_before_training(tmp_path):
     with pytest.raises(ConfigError, match="holds no evalb.c"):
-        run_parse_recipe(
-            CONFIG, tmp_path / "run", overrides={"recipe.evalb": str(tmp_path / "nothere")}
-        )
+        run_recipe(CONFIG, tmp_path / "run", overrides={"recipe.evalb": str(tmp_path / "nothere")})
     assert not (tmp_path / "run").exists()
 
 

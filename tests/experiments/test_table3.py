@@ -18,8 +18,8 @@ from aiayn.config import ConfigError, get_preset
 from aiayn.experiments import stages
 from aiayn.experiments import table3 as t3
 from aiayn.experiments.manifest import machine_name
-from aiayn.experiments.recipe_config import load_recipe
 from aiayn.experiments.stages import RecipeStoppedError
+from aiayn.experiments.tasks import load_recipe
 from aiayn.files import InputError
 from aiayn.training.trainer import Hooks
 from helpers import ROOT, cli

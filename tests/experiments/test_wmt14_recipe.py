@@ -15,7 +15,7 @@ import pytest
 
 from aiayn.data.synthetic import write_corpus
 from aiayn.experiments.recipe import run_recipe
-from aiayn.experiments.recipe_config import load_recipe
+from aiayn.experiments.tasks import load_recipe
 from helpers import ROOT
 
 CONFIGS = {

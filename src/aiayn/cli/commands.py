@@ -331,34 +331,26 @@ def cmd_translate(args: argparse.Namespace) -> int:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    """`aiayn evaluate`: BLEU and chrF of a hypothesis file against a reference, or a
-    parse's bracketing scores (EVALB's)."""
-    from aiayn.scoring.bleu import score_files
+    """`aiayn evaluate`: a file of outputs scored by its task's scorer (translations: BLEU and
+    chrF; trees: EVALB's bracketing scores)."""
+    from aiayn.experiments.tasks import TASKS
 
-    if args.task == "parse":
-        return _evaluate_parse(args)
-    if args.params is not None:
-        raise UsageError("--params is for --task parse")
-    scores = score_files(Path(args.hyp), Path(args.ref), args.lang, bootstrap=args.bootstrap)
-    print(json.dumps(scores.to_dict(), indent=2) if args.json else scores.format())
-    return 0
-
-
-def _evaluate_parse(args: argparse.Namespace) -> int:
-    """`aiayn evaluate --task parse`: EVALB's scores, computed by aiayn."""
-    from aiayn.scoring.evalb import COLLINS, format_report, format_summary, load_params
-    from aiayn.scoring.evalb import score_files as score_tree_files
-
-    if args.bootstrap or args.lang:
-        raise UsageError("--bootstrap and --lang are for --task translate")
-    params = COLLINS if args.params is None else load_params(Path(args.params))
-    result = score_tree_files(Path(args.ref), Path(args.hyp), params)
+    task = TASKS[args.task]
+    given = {"lang": args.lang, "bootstrap": args.bootstrap, "params": args.params}
+    given["report"] = args.report
+    for option, value in given.items():
+        if value and option not in task.score_options:
+            owner = next(t.name for t in TASKS.values() if option in t.score_options)
+            raise UsageError(f"--{option} is for --task {owner}")
+    scored = task.score_files(
+        Path(args.hyp), Path(args.ref), {k: given[k] for k in task.score_options}
+    )
     if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
-    elif args.report:
-        print(format_report(result), end="")
+        print(json.dumps(scored.values, indent=2))
+    elif args.report and scored.report is not None:
+        print(scored.report, end="")
     else:
-        print(format_summary(result))
+        print(scored.text)
     return 0
 
 

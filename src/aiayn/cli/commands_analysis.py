@@ -113,8 +113,8 @@ def cmd_table3(args: argparse.Namespace) -> int:
     from aiayn.cli.commands import _progress
     from aiayn.config import parse_set_args
     from aiayn.experiments import table3
-    from aiayn.experiments.recipe_config import load_recipe
     from aiayn.experiments.stages import RecipeStoppedError
+    from aiayn.experiments.tasks import load_recipe
 
     if args.config and args.csv:
         raise UsageError("--csv renders a table3.csv already written: not with FILE.toml")

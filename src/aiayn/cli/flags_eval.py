@@ -115,6 +115,8 @@ examples:
 def add_evaluate(
     sub: argparse._SubParsersAction[argparse.ArgumentParser],
 ) -> argparse.ArgumentParser:
+    from aiayn.experiments.tasks import TASKS  # the scorers: each task's score_files
+
     p = command_parser(
         sub,
         "evaluate",
@@ -141,7 +143,7 @@ examples:
     )
     p.add_argument(
         "--task",
-        choices=["translate", "parse"],
+        choices=list(TASKS),
         default="translate",
         help="what the files hold: translations, or trees (one bracketed tree a line)",
     )

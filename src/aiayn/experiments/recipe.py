@@ -1,50 +1,37 @@
-"""A recipe: one experiment file run end to end, data to BLEU, with a manifest of the run.
+"""A recipe: one experiment file run end to end, data to scores, with a manifest of the run.
 
-data -> prepare -> train -> average -> translate the test set -> evaluate (section 5, 6.1),
-each stage writing files into one run directory:
+One pipeline for every task (`aiayn.experiments.tasks`: translation, parsing), each stage
+writing files into one run directory:
 
-    RUN/data/raw/        the downloaded (or copied) corpus, verified by sha256
-    RUN/data/prepared/   subword model, id tensors, manifest
-    RUN/checkpoint_*.pt  training checkpoints (resumable: rerunning continues)
-    RUN/checkpoint_avg.pt  the average of the last K checkpoints
-    RUN/member1/ ...     with [recipe] ensemble = K > 1: K training runs (each with its
-                         checkpoints and checkpoint_avg.pt) instead of the two lines above
-    RUN/tune_alpha/      the validation set translated at each length penalty tried
-    RUN/test.hyp         the translated test set
-    RUN/results.json     scores with signatures, and the run's manifest
+    task.prepare   RUN/data/: the corpus (downloaded or copied, verified by sha256), and
+                   RUN/data/prepared/: subword model, id tensors, manifest
+    train          RUN/checkpoint_*.pt (resumable: rerunning continues); with [recipe]
+                   ensemble = K > 1, RUN/member1/ ... memberK/, a training run each
+    average        RUN/checkpoint_avg.pt: the average of the last checkpoints (section 6.1)
+    task.tune      decoding settings chosen on the development set (RUN/tune_alpha/, RUN/tune/)
+    task.test      the test set decoded and scored (RUN/TEST.SRC-TGT.hyp, RUN/test.trees)
+    RUN/results.json   scores with signatures, and the run's manifest
 
 The experiment file is a preset plus overrides (see `config.load_experiment`) and a
-[recipe] table for what is not a model, training or decoding setting.
+[recipe] table for what is not a model, training or decoding setting; its `task` picks
+the task.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from aiayn.config import Config, DecodeConfig
 from aiayn.experiments.manifest import cpu_kernels, environment
-from aiayn.experiments.recipe_config import (
-    WMT14_SPLITS,
-    RecipeConfig,
-    load_recipe,
-    parse_recipe,
-)
-from aiayn.experiments.stages import (
-    RecipeStoppedError,
-    plot_runs,
-    train_and_average,
-)
+from aiayn.experiments.recipe_config import RecipeConfig
+from aiayn.experiments.stages import RecipeStoppedError, plot_runs, train_and_average
+from aiayn.experiments.tasks import TASKS, RunContext, load_recipe, task_for
 from aiayn.files import sha256_file, write_text_atomic
 from aiayn.training.trainer import Hooks
-
-if TYPE_CHECKING:
-    from aiayn.decoding.translate import Decoder, SubwordTokenizer
 
 __all__ = [
     "RecipeConfig",
@@ -52,192 +39,10 @@ __all__ = [
     "cpu_kernels",
     "format_results",
     "load_recipe",
-    "parse_recipe",
     "run_recipe",
-    "tune_alpha",
 ]
 
 log = logging.getLogger(__name__)
-
-
-def _truncate_copy(src_prefix: Path, langs: list[str], out_prefix: Path, n: int) -> None:
-    """Write the first n lines of each PREFIX.LANG[.gz] to OUT_PREFIX.LANG (smoke runs)."""
-    from aiayn.data.prepare import find_input
-    from aiayn.files import read_lines
-
-    for lang in langs:
-        lines = []
-        for line in read_lines(find_input(src_prefix, lang)):
-            lines.append(line)
-            if len(lines) == n:
-                break
-        write_text_atomic(Path(f"{out_prefix}.{lang}"), "".join(f"{x}\n" for x in lines))
-
-
-def _line_count(prefix: Path, lang: str) -> int:
-    """Lines of PREFIX.LANG[.gz]."""
-    from aiayn.data.prepare import find_input
-    from aiayn.files import read_lines
-
-    return sum(1 for _ in read_lines(find_input(prefix, lang)))
-
-
-def _lowercase_copy(src_prefix: Path, langs: list[str], out_prefix: Path) -> None:
-    """Write each PREFIX.LANG[.gz] lowercased to OUT_PREFIX.LANG ([recipe] lowercase)."""
-    from aiayn.data.prepare import find_input
-    from aiayn.files import read_lines
-
-    for lang in langs:
-        text = "".join(f"{line.lower()}\n" for line in read_lines(find_input(src_prefix, lang)))
-        write_text_atomic(Path(f"{out_prefix}.{lang}"), text)
-
-
-@dataclass
-class _Data:
-    """What the data stage made: each split's file prefix (`full`: before a smoke run's
-    truncation), the prepared directory and its manifest."""
-
-    prefixes: dict[str, Path]
-    full: dict[str, Path]
-    prepared: Path
-    manifest: dict[str, Any]
-
-
-def _extracted_text(data: Path, splits: list[str], langs: list[str]) -> bool:
-    """Whether `data` holds the text itself (SPLIT.LANG[.gz] for every split and side, e.g.
-    an `aiayn data wmt14 --out` directory) rather than archives to extract."""
-    from aiayn.data.prepare import find_input
-    from aiayn.files import InputError
-
-    try:
-        for split in splits:
-            for lang in langs:
-                find_input(data / split, lang)
-    except InputError:
-        return False
-    return True
-
-
-def _wmt14_raw(recipe: RecipeConfig, out: Path, data: str | Path | None) -> Path:
-    """WMT14's text: `data` itself where it holds train/valid/test text (read in place),
-    else RUN/data/raw written by `aiayn data wmt14` from the archives (downloaded, or read
-    from `data` as a local mirror), each checked against its published hash."""
-    from aiayn.data.wmt14 import download_wmt14
-
-    langs = [recipe.source_lang, recipe.target_lang]
-    if data is not None and _extracted_text(Path(data), list(WMT14_SPLITS), langs):
-        log.info("WMT14 text read in place from %s", data)
-        return Path(data)
-    other = recipe.target_lang if recipe.source_lang == "en" else recipe.source_lang
-    raw = out / "data" / "raw"
-    download_wmt14(f"en-{other}", raw, from_dir=data)
-    return raw
-
-
-def _data_stage(recipe: RecipeConfig, cfg: Config, out: Path, data: str | Path | None) -> _Data:
-    """Download (or copy) the corpus, lowercase or truncate it as the recipe asks, prepare.
-
-    WMT14 is prepared by the streaming prepare (`aiayn.data.stream_prepare`): its 4.5M or
-    36M pairs in bounded memory, into memory-mapped arrays that training reads in place."""
-    from aiayn.data.download import download_multi30k
-    from aiayn.data.prepare import prepare
-    from aiayn.data.stream_prepare import prepare_streaming
-
-    src, tgt = recipe.source_lang, recipe.target_lang
-    splits = [recipe.train_split, recipe.valid_split, recipe.test_split]
-    if recipe.dataset == "wmt14":
-        raw = _wmt14_raw(recipe, out, data)
-    else:
-        raw = out / "data" / "raw"
-        download_multi30k(raw, data, splits=splits, langs=[src, tgt])
-    prefixes = {s: raw / s for s in splits}
-    if recipe.lowercase:
-        for split in splits:
-            prefixes[split] = out / "data" / f"{split}.lc"
-            _lowercase_copy(raw / split, [src, tgt], prefixes[split])
-    full = dict(prefixes)  # validation during training reads the whole val set
-    tuning = min(recipe.max_test_pairs or recipe.tune_alpha_sentences, recipe.tune_alpha_sentences)
-    for split, n in (
-        (recipe.train_split, recipe.max_train_pairs),
-        (recipe.valid_split, tuning if recipe.tune_alpha else 0),
-        (recipe.test_split, recipe.max_test_pairs),
-    ):
-        if n and _line_count(full[split], src) > n:
-            prefixes[split] = out / "data" / f"{split}.first{n}"
-            _truncate_copy(full[split], [src, tgt], prefixes[split], n)
-    prepared = out / "data" / "prepared"
-    if recipe.dataset == "wmt14":
-        # tens of minutes of work: a rerun (a resume) reuses it while inputs and settings
-        # are the same
-        key = _prepare_key(recipe, cfg, [prefixes[recipe.train_split], full[recipe.valid_split]])
-        stamp = out / "data" / "prepare_stamp.json"
-        done = stamp.is_file() and (prepared / "manifest.json").is_file()
-        if done and json.loads(stamp.read_text(encoding="utf-8")) == key:
-            log.info("%s: prepared earlier from the same text and settings: reused", prepared)
-            manifest = json.loads((prepared / "manifest.json").read_text(encoding="utf-8"))
-            return _Data(prefixes, full, prepared, manifest)
-        stamp.unlink(missing_ok=True)
-    manifest = (prepare_streaming if recipe.dataset == "wmt14" else prepare)(
-        src,
-        tgt,
-        prefixes[recipe.train_split],
-        full[recipe.valid_split],
-        None,
-        prepared,
-        vocab_size=recipe.vocab_size,
-        max_len=cfg.train.max_len,
-        max_len_ratio=cfg.train.max_len_ratio,
-        lowercase=recipe.lowercase,
-        model_type=recipe.vocab_model,
-    )
-    if recipe.dataset == "wmt14":
-        write_text_atomic(stamp, json.dumps(key, indent=1) + "\n")
-    return _Data(prefixes, full, prepared, manifest)
-
-
-def _prepare_key(recipe: RecipeConfig, cfg: Config, prefixes: list[Path]) -> dict[str, Any]:
-    """What a prepared directory depends on: the settings, and each input file's path,
-    size and modification time (hashing 10 GB of text again would take minutes)."""
-    from aiayn.data.prepare import find_input
-
-    files = {}
-    for prefix in prefixes:
-        for lang in (recipe.source_lang, recipe.target_lang):
-            path = find_input(prefix, lang)
-            st = path.stat()
-            files[str(path.resolve())] = [st.st_size, st.st_mtime_ns]
-    return {
-        "vocab_size": recipe.vocab_size,
-        "vocab_model": recipe.vocab_model,
-        "lowercase": recipe.lowercase,
-        "max_train_pairs": recipe.max_train_pairs,
-        "max_len": cfg.train.max_len,
-        "max_len_ratio": cfg.train.max_len_ratio,
-        "files": files,
-    }
-
-
-def _member_scores(
-    runs: list[Path],
-    models: list[Any],
-    trained: list[dict[str, Any]],
-    averaged: list[list[str]],
-    translate: Any,
-    hyp_name: str,
-) -> list[dict[str, Any]]:
-    """Each ensemble member's own test scores, at the ensemble's settings: what the
-    ensemble adds. `translate(model, hyp_path)` translates the test set and scores it."""
-    members = []
-    for run, member, t, names in zip(runs, models, trained, averaged, strict=True):
-        members.append(
-            {
-                "run": run.name,
-                **t,
-                "averaged": names,
-                "scores": translate(member, run / hyp_name).to_dict(),
-            }
-        )
-    return members
 
 
 def run_recipe(
@@ -264,31 +69,23 @@ def run_recipe(
         The results dictionary also written to RUN/results.json.
     """
     from aiayn.config import ConfigError
-    from aiayn.data.prepare import find_input
-    from aiayn.decoding.translate import translate_file
+    from aiayn.experiments.recipe_config import read_recipe
     from aiayn.experiments.stages import check_stopped, train_stage
-    from aiayn.scoring.bleu import score_files
     from aiayn.training.distributed import init_from_env
 
-    cfg, recipe = load_recipe(path, overrides)
+    cfg, recipe, given = read_recipe(path, overrides)
+    task = task_for(recipe, given, str(path))
     # Under torchrun, every rank runs this function: rank 0 prepares the data while the
     # others wait, every rank trains (one DDP job), and rank 0 alone averages, decodes
     # and scores; the others return once training is done.
     ctx, _ = init_from_env(device)
-    if ctx.active and (recipe.dataset == "ptb" or recipe.ensemble > 1):
+    if ctx.active and (not task.distributed or recipe.ensemble > 1):
         raise ConfigError(
             f"{path}: under torchrun, `aiayn recipe` runs translation recipes of one model; "
             "run this one in one process (parsing and ensembles train on one device each)"
         )
-    if recipe.dataset == "ptb":  # parsing (section 6.3): its own data and scoring
-        from aiayn.experiments.parse_recipe import run_parse_recipe
-
-        return run_parse_recipe(
-            path, out, data=data, device=device, overrides=overrides, hooks=hooks
-        )
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    src, tgt = recipe.source_lang, recipe.target_lang
     wall: dict[str, float] = {}
     clock = time.perf_counter
 
@@ -298,322 +95,62 @@ def run_recipe(
         check_stopped(trained, out)
         return {"rank": ctx.rank, "world_size": ctx.world_size, "train": trained[0]}
     t0 = clock()
-    data_ = _data_stage(recipe, cfg, out, data)
+    data_ = task.prepare(recipe, cfg, out, data)
     ctx.barrier()
     wall["data_and_prepare_s"] = clock() - t0
     t = train_and_average(recipe, cfg, data_.prepared, out, device, hooks, wall)
-    runs, trained, averaged, models = t.runs, t.trained, t.averaged, t.models
-    model, tokenizer, avg_cfg, peak, peak_dtype = t.model, t.tokenizer, t.cfg, t.peak, t.peak_dtype
 
-    decode, tuning = cfg.decode, None
-    if recipe.tune_alpha:
-        t0 = clock()
-        valid = [find_input(data_.prefixes[recipe.valid_split], lang) for lang in (src, tgt)]
-        decode, tuning = tune_alpha(
-            model,
-            tokenizer,
-            valid[0],
-            valid[1],
-            tgt,
-            cfg.decode,
-            recipe.tune_alpha,
-            out / "tune_alpha",
-            device=device,
-        )
-        tuning["split"] = recipe.valid_split
-        wall["tune_alpha_s"] = clock() - t0
-
-    t0 = clock()
-    test_src, test_ref = (
-        find_input(data_.prefixes[recipe.test_split], lang) for lang in (src, tgt)
-    )
-    hyp = out / f"{recipe.test_split}.{src}-{tgt}.hyp"
-    summary = translate_file(model, tokenizer, test_src, hyp, decode, device=device)
-    wall["translate_s"] = clock() - t0
-    scores = score_files(hyp, test_ref, tgt)
-
-    train_record = {k: v for k, v in trained[0].items() if k not in ("flops", "seed")}
-    flops = sum(t["flops"] for t in trained)
-    if len(runs) > 1:
-        t0 = clock()
-
-        def translate_and_score(member: Any, member_hyp: Path) -> Any:
-            translate_file(member, tokenizer, test_src, member_hyp, decode, device=device)
-            return score_files(member_hyp, test_ref, tgt)
-
-        members = _member_scores(runs, models, trained, averaged, translate_and_score, hyp.name)
-        wall["translate_members_s"] = clock() - t0
+    train_record = {k: v for k, v in t.trained[0].items() if k not in ("flops", "seed")}
+    if len(t.runs) > 1:
         # trained side by side: the stage's time is the longest member's, the tokens add up
         train_record.update(
-            train_seconds=max(t["train_seconds"] for t in trained),
-            tokens=sum(t["tokens"] for t in trained),
-            members=members,
+            train_seconds=max(r["train_seconds"] for r in t.trained),
+            tokens=sum(r["tokens"] for r in t.trained),
         )
+    run = RunContext(recipe, cfg, out, device, wall, train_record)
+    decode, tuning = task.tune(t, data_, cfg.decode, run)
+    outcome = task.test(t, data_, decode, run)
+    train_record.update(outcome.train)
+
+    flops = sum(r["flops"] for r in t.trained)
     train_seconds = train_record["train_seconds"]
     results = {
+        "task": task.name,
         "experiment": str(path),
-        "test_split": recipe.test_split,
-        "pair": f"{src}-{tgt}",
-        "scores": scores.to_dict(),
-        "averaged": averaged[0],
+        "test_split": task.test_split(recipe),
+        "scores": outcome.scores,
+        "averaged": t.averaged[0],
         "train": train_record,
         "flops": {
             "counted_from_model": flops,
-            "estimated_time_x_devices_x_peak": train_seconds * peak,
-            "sustained_peak_flop_s": peak,
-            "peak_dtype": str(peak_dtype),
+            "estimated_time_x_devices_x_peak": train_seconds * t.peak,
+            "sustained_peak_flop_s": t.peak,
+            "peak_dtype": str(t.peak_dtype),
             "model_flop_s": flops / max(train_seconds, 1e-9),
         },
         "wall_seconds": wall,
-        "translate": summary,
-        "alpha_tuning": tuning,
-        "parameters": sum(p.numel() for p in models[0].parameters()),
-        "ensemble": len(models),
+        **outcome.results,
+        task.tuning_key: tuning,
+        "parameters": sum(p.numel() for p in t.models[0].parameters()),
+        "ensemble": len(t.models),
         "seed": cfg.train.seed,
         "recipe": asdict(recipe),
-        # the decode settings the test set was translated with (alpha as tuned)
-        "config": replace(avg_cfg, decode=decode).to_dict(),
+        # the decode settings the test set was decoded with (as tuned)
+        "config": replace(t.cfg, decode=decode).to_dict(),
         "data": {
             "prepared_manifest_sha256": sha256_file(data_.prepared / "manifest.json"),
             "vocab_sha256": data_.manifest["spm_model"]["sha256"],
-            "inputs": data_.manifest["inputs"],
-            "test": {"src": sha256_file(test_src), "tgt": sha256_file(test_ref)},
+            **data_.record,
+            **outcome.data,
         },
         **environment(),
     }
-    from aiayn.training.precision import resolve_dtype
-
-    flag = not_trained_enough(
-        scores.sacrebleu,
-        train_record,
-        cfg.train.max_minutes,
-        resolve_dtype(cfg.train.dtype, device),
-    )
-    if flag is not None:
-        results["not_trained_enough"] = flag
-        log.warning("%s", flag["message"])
     write_text_atomic(out / "results.json", json.dumps(results, indent=2) + "\n")
-    plot_runs(out, runs, trained, f"{src}-{tgt}", str(path))
+    plot_runs(out, t.runs, t.trained, task.label(recipe), str(path))
     return results
 
 
-#: The training steps that the En->De recipe's model needs to score well above
-#: UNUSABLE_BLEU (about what a 2-core Sapphire Rapids VM trains in 10 minutes of bf16).
-USABLE_STEPS = 2500
-
-
-def not_trained_enough(
-    bleu: float, train: dict[str, Any], max_minutes: float, dtype: str
-) -> dict[str, Any] | None:
-    """None for a usable model; else what results.json and the summary say of one whose
-    test BLEU is near 0: how far it trained, how fast on this CPU, and the budget that
-    would reach `USABLE_STEPS` at that pace."""
-    if bleu >= UNUSABLE_BLEU:
-        return None
-    from aiayn.fast import machine
-
-    steps, seconds = int(train["steps"]), float(train["train_seconds"])
-    minutes = seconds / 60
-    rate = train["tokens"] / max(seconds, 1e-9)
-    need = math.ceil(minutes * USABLE_STEPS / max(steps, 1) / 5) * 5 if steps else None
-    cls = machine.cpu().cls
-    advice = (
-        f"try MINUTES={need} (bash scripts/quickstart.sh) or --max-minutes {need}"
-        if need and need > minutes
-        else "train longer (--max-minutes) or check the data"
-    )
-    message = (
-        f"not trained enough: {steps} steps in {minutes:.1f} minutes at {rate:,.0f} tokens/s "
-        f"on this CPU (class {cls}, training in {dtype}); test sacreBLEU "
-        f"{bleu:.2f} is below {UNUSABLE_BLEU:g}, {advice}"
-    )
-    return {
-        "message": message,
-        "steps": steps,
-        "train_minutes": minutes,
-        "tokens_per_s": rate,
-        "cpu_class": cls,
-        "dtype": dtype,
-        "budget_minutes": max_minutes,
-        "suggested_minutes": need,
-    }
-
-
-#: Validation sentences decoded first, at the grid's first alpha, before tuning the length
-#: penalty: a model below UNUSABLE_BLEU there is reported as not trained enough instead of
-#: being decoded once per alpha (an undertrained model's outputs run to the length cap).
-ALPHA_SCREEN_SENTENCES = 100
-#: sacreBLEU below which a model counts as not usable (untrained models score 0-0.5).
-UNUSABLE_BLEU = 1.0
-
-
-def tune_alpha(
-    model: Decoder,
-    tokenizer: SubwordTokenizer,
-    src_path: Path,
-    ref_path: Path,
-    target_lang: str,
-    decode: DecodeConfig,
-    grid: tuple[float, ...],
-    out: Path,
-    *,
-    device: str = "cpu",
-    screen: int = ALPHA_SCREEN_SENTENCES,
-) -> tuple[DecodeConfig, dict[str, Any]]:
-    """Translate the validation set at each length penalty in `grid` and keep the best.
-
-    The criterion is sacreBLEU; a tie goes to the value listed first. The hypotheses stay
-    in `out` (one file per alpha) for inspection. Where the set has more than `screen`
-    sentences, its first `screen` are decoded at grid[0] first, and a model scoring below
-    `UNUSABLE_BLEU` there keeps `decode`'s alpha: the record says "skipped".
-
-    Returns:
-        The decode settings with the chosen alpha, and a record of every alpha's scores.
-    """
-    from aiayn.decoding.translate import translate_file
-    from aiayn.files import read_lines
-    from aiayn.scoring.bleu import score_files
-
-    if not grid:
-        raise ValueError("tune_alpha needs at least one alpha to try")
-    out.mkdir(parents=True, exist_ok=True)
-    if screen:
-        src_lines = list(read_lines(src_path))
-        if len(src_lines) > screen:
-            ref_lines = list(read_lines(ref_path))[:screen]
-            first = {"src": src_lines[:screen], "ref": ref_lines}
-            for side, lines in first.items():
-                write_text_atomic(out / f"screen.{side}", "".join(f"{x}\n" for x in lines))
-            cfg = replace(decode, alpha=grid[0])
-            hyp = out / "screen.hyp"
-            summary = translate_file(model, tokenizer, out / "screen.src", hyp, cfg, device=device)
-            s = score_files(hyp, out / "screen.ref", target_lang)
-            record = {
-                "sentences": screen,
-                "alpha": grid[0],
-                "sacrebleu": s.sacrebleu,
-                "tok_bleu": s.tok_bleu,
-                "seconds": summary["seconds"],
-            }
-            if s.sacrebleu < UNUSABLE_BLEU:
-                log.warning(
-                    "alpha tuning skipped: sacreBLEU %.2f on the first %d sentences of %s "
-                    "at alpha %g, below %g: the model is not trained enough to tune",
-                    s.sacrebleu,
-                    screen,
-                    src_path.name,
-                    grid[0],
-                    UNUSABLE_BLEU,
-                )
-                return decode, {
-                    "criterion": "sacrebleu",
-                    "skipped": "model not usable",
-                    "screen": record,
-                    "sentences": 0,
-                    "tried": [],
-                    "chosen": decode.alpha,
-                }
-    tried = []
-    for alpha in grid:
-        cfg = replace(decode, alpha=alpha)
-        hyp = out / f"alpha{alpha:g}.hyp"
-        summary = translate_file(model, tokenizer, src_path, hyp, cfg, device=device)
-        s = score_files(hyp, ref_path, target_lang)
-        tried.append(
-            {
-                "alpha": alpha,
-                "sacrebleu": s.sacrebleu,
-                "tok_bleu": s.tok_bleu,
-                "chrf": s.chrf,
-                "seconds": summary["seconds"],
-            }
-        )
-        log.info(
-            "alpha %g on %s: sacreBLEU %.2f, tok-BLEU %.2f",
-            alpha,
-            src_path.name,
-            s.sacrebleu,
-            s.tok_bleu,
-        )
-    best = max(tried, key=lambda r: r["sacrebleu"])  # max() keeps the first of equals
-    return replace(decode, alpha=best["alpha"]), {
-        "criterion": "sacrebleu",
-        "sentences": s.n_lines,
-        "tried": tried,
-        "chosen": best["alpha"],
-    }
-
-
 def format_results(results: dict[str, Any]) -> str:
-    """Every BLEU convention side by side, with signatures, for the terminal (a parsing
-    run's F1 by both scorers)."""
-    if results.get("task") == "parse":
-        from aiayn.experiments.parse_recipe import format_parse_results
-
-        return format_parse_results(results)
-    s = results["scores"]
-    t = results["train"]
-    f = results["flops"]
-    k = results.get("ensemble", 1)
-    models = (
-        f"an ensemble of {k} models, each the average of {len(results['averaged'])} "
-        f"checkpoints, {results['parameters']:,} params each"
-        if k > 1
-        else f"average of {len(results['averaged'])} checkpoints, {results['parameters']:,} params"
-    )
-    lines = [
-        f"{results['pair']} {results['test_split']} ({s['n_lines']} sentences), {models}",
-        f"  sacreBLEU         {s['sacrebleu']:6.2f}  {s['sacrebleu_signature']}",
-        f"  tok-BLEU (lc)     {s['tok_bleu']:6.2f}  {s['tok_bleu_signature']}",
-        f"  chrF2             {s['chrf']:6.2f}  {s['chrf_signature']}",
-        *(
-            [
-                f"  paper             {s['paper_bleu']:6.2f}  {s['paper_bleu_signature']}",
-                "                    (Table 2's convention: cased, Moses-tokenized"
-                + (
-                    ", compounds split at ##AT##)"
-                    if "compound-split" in s["paper_bleu_signature"]
-                    else ")"
-                ),
-            ]
-            if "paper_bleu" in s
-            else []
-        ),
-        f"  training: {t['steps']} steps, {t['epochs']} epochs, {t['train_seconds'] / 60:.1f} min,"
-        f" {t['tokens'] / max(t['train_seconds'], 1e-9):,.0f} tokens/s ({t['stopped_by']})",
-        f"  FLOPs: {f['counted_from_model']:.3g} counted, "
-        f"{f['estimated_time_x_devices_x_peak']:.3g} as time x peak "
-        f"({f['sustained_peak_flop_s'] / 1e12:.2f} TFLOP/s {f['peak_dtype']})",
-    ]
-    for m in t.get("members", []):
-        ms = m["scores"]
-        lines.append(
-            f"  {m['run']} (seed {m['seed']}) alone: sacreBLEU {ms['sacrebleu']:.2f}, "
-            f"tok-BLEU {ms['tok_bleu']:.2f}, chrF2 {ms['chrf']:.2f}; {m['steps']} steps"
-        )
-    tuning = results.get("alpha_tuning")
-    if tuning and tuning.get("skipped"):
-        sc = tuning["screen"]
-        lines.insert(
-            1,
-            f"  beam {results['config']['decode']['beam']}, alpha {tuning['chosen']:g}: "
-            f"tuning skipped, sacreBLEU {sc['sacrebleu']:.2f} on the first {sc['sentences']} "
-            f"sentences of {tuning['split']}",
-        )
-    elif tuning:
-        tried = ", ".join(f"{r['alpha']:g}: {r['sacrebleu']:.2f}" for r in tuning["tried"])
-        lines.insert(
-            1,
-            f"  beam {results['config']['decode']['beam']}, alpha "
-            f"{tuning['chosen']:g} chosen on {tuning['split']} "
-            f"({tuning['sentences']} sentences; sacreBLEU by alpha {tried})",
-        )
-    if results.get("not_trained_enough"):
-        lines.append(f"  WARNING: {results['not_trained_enough']['message']}")
-    if results.get("recipe", {}).get("lowercase"):
-        lines.insert(
-            1,
-            "  lowercased data (recipe.lowercase): every score is against the "
-            "lowercased references",
-        )
-    return "\n".join(lines)
+    """The results of `run_recipe` for the terminal, as their task writes them (every BLEU
+    convention with its signature; a parsing run's F1 by both scorers)."""
+    return TASKS[results.get("task", "translate")].format(results)

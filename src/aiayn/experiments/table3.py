@@ -55,10 +55,18 @@ from pathlib import Path
 from statistics import mean
 from typing import TYPE_CHECKING, Any
 
-from aiayn.config import Config, ConfigError, DecodeConfig, apply_overrides, get_preset
+from aiayn.config import (
+    Config,
+    ConfigError,
+    DecodeConfig,
+    apply_overrides,
+    did_you_mean,
+    get_preset,
+)
 from aiayn.experiments import stages
 from aiayn.experiments.manifest import machine_name
-from aiayn.experiments.recipe_config import RecipeConfig, load_recipe
+from aiayn.experiments.recipe_config import RecipeConfig
+from aiayn.experiments.tasks import load_recipe
 from aiayn.files import UsageError, write_text_atomic
 
 if sys.version_info >= (3, 11):
@@ -250,13 +258,6 @@ def _flatten(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _did_you_mean(key: str, known: Sequence[str]) -> str:
-    import difflib
-
-    close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.5)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
 def load_table3(path: str | Path, overrides: dict[str, Any] | None = None) -> Table3Experiment:
     """Read a Table 3 experiment file (see configs/table3-multi30k.toml):
 
@@ -289,7 +290,7 @@ def load_table3(path: str | Path, overrides: dict[str, Any] | None = None) -> Ta
     for key in doc:
         if key not in ("sweep", "rows"):
             raise ConfigError(
-                f"{path}: unknown table {key!r}{_did_you_mean(key, ['sweep', 'rows'])}; "
+                f"{path}: unknown table {key!r}{did_you_mean(key, ['sweep', 'rows'])}; "
                 "a Table 3 file has [sweep] and [rows]"
             )
     sweep = doc.get("sweep")
@@ -297,7 +298,7 @@ def load_table3(path: str | Path, overrides: dict[str, Any] | None = None) -> Ta
         raise ConfigError(f'{path}: needs a [sweep] table with recipe = "FILE.toml"')
     for key in sweep:
         if key not in _SWEEP_KEYS:
-            raise ConfigError(f"{path}: unknown key sweep.{key}{_did_you_mean(key, _SWEEP_KEYS)}")
+            raise ConfigError(f"{path}: unknown key sweep.{key}{did_you_mean(key, _SWEEP_KEYS)}")
     recipe_path = path.parent / str(sweep["recipe"])
     sets = _flatten(sweep.get("set", {}))
     sets.update(overrides or {})
@@ -392,7 +393,7 @@ def select_rows(exp: Table3Experiment, wanted: Sequence[str] | None) -> list[Row
         group = [n for n in names if re.fullmatch(rf"{re.escape(token)}\d*", n)]
         if token not in names and not group:
             raise UsageError(
-                f"--rows: no row {token!r}{_did_you_mean(token, sorted(names))}; the file's "
+                f"--rows: no row {token!r}{did_you_mean(token, sorted(names))}; the file's "
                 f"rows: {', '.join(s.name for s in exp.rows)}"
             )
         chosen.update(group or [token])
@@ -687,7 +688,7 @@ def prepare_data(exp: Table3Experiment, out: Path, data: str | Path | None) -> P
     Raises:
         ConfigError: DIR/data was prepared with other data settings.
     """
-    from aiayn.experiments.recipe import _data_stage
+    from aiayn.experiments.tasks.translation import prepare_data
 
     r, t = exp.recipe, exp.base.train
     key = {
@@ -712,7 +713,7 @@ def prepare_data(exp: Table3Experiment, out: Path, data: str | Path | None) -> P
                 "comparable with new ones; use another --out"
             )
         return prepared
-    _data_stage(exp.recipe, exp.base, out, data)
+    prepare_data(exp.recipe, exp.base, out, data)
     write_text_atomic(stamp, json.dumps(key, indent=1) + "\n")
     return prepared
 

@@ -1,8 +1,12 @@
-"""The parsing recipe (section 6.3): a treebank in, EVALB F1 out, with a manifest of the run.
+"""Parsing (section 6.3): a treebank in, EVALB F1 out.
 
-treebank -> trees, words and linearized trees per split -> prepare -> train -> average ->
-choose beam and alpha on the development set (bracketing F1) -> parse the test set ->
-score with aiayn's EVALB and, when the recipe names its source, the real EVALB, each on
+The task's stages of `aiayn recipe` (`aiayn.experiments.tasks.base`):
+
+    prepare   treebank -> trees, words and linearized trees per split (`aiayn data ptb`),
+              silver trees mixed in, prepared with the linearized trees as the target
+    tune      beam and alpha chosen on the development set by bracketing F1
+    test      the test set parsed and scored with aiayn's EVALB and, when the recipe names
+              its source, the real EVALB, each on
 
     the model's trees (the raw outputs repaired into trees: `decoding.parse`),
     the model's trees without repairs (an ill-formed output scores as no constituent),
@@ -14,34 +18,26 @@ so the reader sees what the model adds and what the repairs add. Files in RUN:
     RUN/data/ptb/       train/dev/test .trees, .words, .lin (`aiayn data ptb`), manifest
     RUN/data/train.mixed.{words,lin}  gold and silver trees mixed ([recipe] silver)
     RUN/data/prepared/  subword model and id tensors (the linearized trees as the target)
-    RUN/checkpoint_*.pt, RUN/checkpoint_avg.pt
     RUN/tune/           the development set parsed at each beam and alpha tried
     RUN/test.{lin,trees,norepair.trees,rightbranch.trees}  raw outputs, trees, the ablations
     RUN/evalb/          EVALB built from its source, and its reports
-    RUN/results.json    scores, settings, speed, data hashes and the machine
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aiayn.config import Config, ConfigError, DecodeConfig
-from aiayn.experiments.manifest import environment
-from aiayn.experiments.recipe_config import RecipeConfig, load_recipe
-from aiayn.experiments.stages import (
-    plot_runs,
-    train_and_average,
-)
+from aiayn.experiments.recipe_config import RecipeConfig
+from aiayn.experiments.tasks.base import Outcome, RunContext, Scored, TaskData
 from aiayn.files import read_lines, sha256_file, write_text_atomic
-from aiayn.training.trainer import Hooks
 
 if TYPE_CHECKING:
     from aiayn.decoding.translate import Decoder, SubwordTokenizer
+    from aiayn.experiments.stages import Trained
 
 log = logging.getLogger(__name__)
 
@@ -80,10 +76,10 @@ def _first_lines(prefix: Path, suffixes: tuple[str, ...], out: Path, n: int) -> 
         write_text_atomic(Path(f"{out}.{suffix}"), "".join(f"{x}\n" for x in lines))
 
 
-def _data_stage(
-    recipe: RecipeConfig, cfg: Config, out: Path, data: str | Path | None
-) -> dict[str, Any]:
-    """The treebank's splits as files, silver mixed in, a smoke run's truncation, prepared."""
+def prepare_data(recipe: RecipeConfig, cfg: Config, out: Path, data: str | Path | None) -> TaskData:
+    """The treebank's splits as files, silver mixed in, a smoke run's truncation, prepared.
+    TaskData.files: "dev" and "test", the prefixes of their .words, .trees (and target)
+    files."""
     from aiayn.data.download import download_ptb_sample
     from aiayn.data.prepare import prepare
     from aiayn.parsing.ptb import TARGETS, prepare_treebank, tree_file_to_pairs
@@ -130,14 +126,12 @@ def _data_stage(
         max_len_ratio=cfg.train.max_len_ratio,
         split_by_script=False,  # "(NP" and ")VP" one piece each
     )
-    return {
-        "treebank": treebank,
-        "silver": silver_counts,
-        "prepared": prepared,
-        "manifest": manifest,
-        "dev": dev,
-        "test": test,
-    }
+    return TaskData(
+        prepared,
+        manifest,
+        files={"dev": dev, "test": test},
+        record={"treebank": treebank, "silver": silver_counts},
+    )
 
 
 def tune_parse(
@@ -261,129 +255,6 @@ def _score_all(
     return scores
 
 
-def run_parse_recipe(
-    path: str | Path,
-    out: str | Path,
-    *,
-    data: str | Path | None = None,
-    device: str = "cpu",
-    overrides: dict[str, Any] | None = None,
-    hooks: Hooks | None = None,
-) -> dict[str, Any]:
-    """Run a parsing experiment file end to end; see the module docstring for its files.
-
-    Args:
-        path: the experiment file (TOML) with a [recipe] table whose dataset is "ptb".
-        out: the run directory; rerunning resumes training and redoes the later stages.
-        data: a treebank (the NLTK sample's zip, its unzipped folder, or the LDC release's
-            folder); None downloads the NLTK sample.
-        device, overrides, hooks: as `run_recipe`.
-
-    Returns:
-        The results dictionary also written to RUN/results.json.
-    """
-    from aiayn.decoding.parse import parse_file
-    from aiayn.parsing.trees import right_branching
-
-    cfg, recipe = load_recipe(path, overrides)
-    if recipe.evalb and not (Path(recipe.evalb) / "evalb.c").is_file():  # not after an hour
-        raise ConfigError(
-            f"{path}: recipe.evalb = {recipe.evalb!r} holds no evalb.c: give EVALB's source "
-            "directory (e.g. ../shared/tools/EVALB), or --set recipe.evalb= to score with "
-            "aiayn's scorer alone"
-        )
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    wall: dict[str, float] = {}
-    clock = time.perf_counter
-
-    t0 = clock()
-    data_ = _data_stage(recipe, cfg, out, data)
-    wall["data_and_prepare_s"] = clock() - t0
-    t = train_and_average(recipe, cfg, data_["prepared"], out, device, hooks, wall)
-    runs, trained, averaged, models = t.runs, t.trained, t.averaged, t.models
-    model, tokenizer, avg_cfg, peak, peak_dtype = t.model, t.tokenizer, t.cfg, t.peak, t.peak_dtype
-
-    decode, tuning = cfg.decode, None
-    if recipe.tune_beam or recipe.tune_alpha:
-        t0 = clock()
-        decode, tuning = tune_parse(
-            model,
-            tokenizer,
-            data_["dev"],
-            cfg.decode,
-            recipe.tune_beam,
-            recipe.tune_alpha,
-            out / "tune",
-            device=device,
-        )
-        wall["tune_s"] = clock() - t0
-
-    t0 = clock()
-    test = data_["test"]
-    hyp = out / "test.trees"
-    result, summary = parse_file(
-        model,
-        tokenizer,
-        Path(f"{test}.{SOURCE}"),
-        hyp,
-        decode,
-        device=device,
-        raw_path=out / "test.lin",
-    )
-    wall["parse_s"] = clock() - t0
-    norepair = out / "test.norepair.trees"
-    write_text_atomic(norepair, "".join(f"{t}\n" for t in result.unrepaired()))
-    rightbranch = out / "test.rightbranch.trees"
-    write_text_atomic(
-        rightbranch, "".join(f"{right_branching(w).to_string()}\n" for w in result.words)
-    )
-    gold = Path(f"{test}.trees")
-    scores = _score_all(
-        gold,
-        {"model": hyp, "model_without_repairs": norepair, "right_branching": rightbranch},
-        recipe.evalb,
-        out / "evalb",
-    )
-
-    train_record = {k: v for k, v in trained[0].items() if k not in ("flops", "seed")}
-    train_seconds = train_record["train_seconds"]
-    flops = sum(t["flops"] for t in trained)
-    results = {
-        "task": "parse",
-        "experiment": str(path),
-        "test_split": "test",
-        "scores": scores,
-        "parse": summary,
-        "averaged": averaged[0],
-        "train": train_record,
-        "flops": {
-            "counted_from_model": flops,
-            "estimated_time_x_devices_x_peak": train_seconds * peak,
-            "sustained_peak_flop_s": peak,
-            "peak_dtype": str(peak_dtype),
-        },
-        "wall_seconds": wall,
-        "tuning": tuning,
-        "parameters": sum(p.numel() for p in models[0].parameters()),
-        "ensemble": len(models),
-        "seed": cfg.train.seed,
-        "recipe": asdict(recipe),
-        "config": replace(avg_cfg, decode=decode).to_dict(),
-        "data": {
-            "treebank": data_["treebank"],
-            "silver": data_["silver"],
-            "prepared_manifest_sha256": sha256_file(data_["prepared"] / "manifest.json"),
-            "vocab_sha256": data_["manifest"]["spm_model"]["sha256"],
-            "test": {"words": sha256_file(Path(f"{test}.{SOURCE}")), "trees": sha256_file(gold)},
-        },
-        **environment(),
-    }
-    write_text_atomic(out / "results.json", json.dumps(results, indent=2) + "\n")
-    plot_runs(out, runs, trained, "parse", str(path))
-    return results
-
-
 def format_parse_results(results: dict[str, Any]) -> str:
     """F1 by both scorers, the ablations and the speed, for the terminal."""
     s = results["scores"]
@@ -424,3 +295,134 @@ def format_parse_results(results: dict[str, Any]) -> str:
             1, f"  chosen on dev ({tuning['sentences']} sentences; F1 by beam/alpha {tried})"
         )
     return "\n".join(lines)
+
+
+class Parsing:
+    """The parsing task: see the module docstring."""
+
+    name: str = "parse"
+    datasets: tuple[str, ...] = ("ptb",)
+    tuning_key: str = "tuning"
+    own_fields: frozenset[str] = frozenset(
+        {"treebank_split", "linearization", "silver", "silver_ratio", "tune_beam", "evalb"}
+    )
+    distributed: bool = False
+    score_options: frozenset[str] = frozenset({"params", "report"})
+
+    def check(self, recipe: RecipeConfig, where: str) -> None:
+        if recipe.treebank_split not in ("auto", "sample", "ldc"):
+            raise ConfigError(
+                f"{where}: recipe.treebank_split must be 'auto', 'sample' or 'ldc', "
+                f"got {recipe.treebank_split!r}"
+            )
+        if recipe.linearization not in ("gafl", "words"):
+            raise ConfigError(
+                f"{where}: recipe.linearization must be 'gafl' or 'words', "
+                f"got {recipe.linearization!r}"
+            )
+        if not recipe.silver_ratio > 0:
+            raise ConfigError(
+                f"{where}: recipe.silver_ratio must be > 0, got {recipe.silver_ratio}"
+            )
+        if recipe.evalb and not (Path(recipe.evalb) / "evalb.c").is_file():  # not after an hour
+            raise ConfigError(
+                f"{where}: recipe.evalb = {recipe.evalb!r} holds no evalb.c: give EVALB's source "
+                "directory (e.g. ../shared/tools/EVALB), or --set recipe.evalb= to score with "
+                "aiayn's scorer alone"
+            )
+
+    def prepare(
+        self, recipe: RecipeConfig, cfg: Config, out: Path, data: str | Path | None
+    ) -> TaskData:
+        return prepare_data(recipe, cfg, out, data)
+
+    def tune(
+        self, trained: Trained, data: TaskData, decode: DecodeConfig, ctx: RunContext
+    ) -> tuple[DecodeConfig, dict[str, Any] | None]:
+        import time
+
+        recipe = ctx.recipe
+        if not (recipe.tune_beam or recipe.tune_alpha):
+            return decode, None
+        t0 = time.perf_counter()
+        tuned = tune_parse(
+            trained.model,
+            trained.tokenizer,
+            data.files["dev"],
+            decode,
+            recipe.tune_beam,
+            recipe.tune_alpha,
+            ctx.out / "tune",
+            device=ctx.device,
+        )
+        ctx.wall["tune_s"] = time.perf_counter() - t0
+        return tuned
+
+    def test(
+        self, trained: Trained, data: TaskData, decode: DecodeConfig, ctx: RunContext
+    ) -> Outcome:
+        import time
+
+        from aiayn.decoding.parse import parse_file
+        from aiayn.parsing.trees import right_branching
+
+        out = ctx.out
+        t0 = time.perf_counter()
+        test = data.files["test"]
+        hyp = out / "test.trees"
+        result, summary = parse_file(
+            trained.model,
+            trained.tokenizer,
+            Path(f"{test}.{SOURCE}"),
+            hyp,
+            decode,
+            device=ctx.device,
+            raw_path=out / "test.lin",
+        )
+        ctx.wall["parse_s"] = time.perf_counter() - t0
+        norepair = out / "test.norepair.trees"
+        write_text_atomic(norepair, "".join(f"{t}\n" for t in result.unrepaired()))
+        rightbranch = out / "test.rightbranch.trees"
+        write_text_atomic(
+            rightbranch, "".join(f"{right_branching(w).to_string()}\n" for w in result.words)
+        )
+        gold = Path(f"{test}.trees")
+        scores = _score_all(
+            gold,
+            {"model": hyp, "model_without_repairs": norepair, "right_branching": rightbranch},
+            ctx.recipe.evalb,
+            out / "evalb",
+        )
+        return Outcome(
+            scores,
+            results={"parse": summary},
+            data={
+                "test": {
+                    "words": sha256_file(Path(f"{test}.{SOURCE}")),
+                    "trees": sha256_file(gold),
+                }
+            },
+        )
+
+    def score_files(self, hyp: Path, ref: Path, options: dict[str, Any]) -> Scored:
+        """EVALB's bracketing scores, computed by aiayn (`scoring.evalb`), of the trees in
+        `hyp` against the gold trees in `ref`; options: params (an EVALB parameter file;
+        None: COLLINS.prm's settings)."""
+        from aiayn.scoring.evalb import COLLINS, format_report, format_summary, load_params
+        from aiayn.scoring.evalb import score_files as score_tree_files
+
+        params = COLLINS if options.get("params") is None else load_params(Path(options["params"]))
+        result = score_tree_files(ref, hyp, params)
+        return Scored(result.to_dict(), format_summary(result), format_report(result))
+
+    def test_split(self, recipe: RecipeConfig) -> str:
+        return "test"
+
+    def label(self, recipe: RecipeConfig) -> str:
+        return "parse"
+
+    def format(self, results: dict[str, Any]) -> str:
+        return format_parse_results(results)
+
+
+PARSING = Parsing()
