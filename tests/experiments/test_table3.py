@@ -19,6 +19,7 @@ from aiayn.experiments import stages
 from aiayn.experiments import table3 as t3
 from aiayn.experiments.manifest import machine_name
 from aiayn.experiments.stages import RecipeStoppedError
+from aiayn.experiments.table3.row import _valid_text
 from aiayn.experiments.tasks import load_recipe
 from aiayn.files import InputError
 from aiayn.training.trainer import Hooks
@@ -435,7 +436,7 @@ def test_the_data_is_prepared_once_for_every_row(tmp_path):
     manifest = (prepared / "manifest.json").stat().st_mtime_ns
     assert t3.prepare_data(t3.load_table3(path, small), out, MULTI30K) == prepared
     assert (prepared / "manifest.json").stat().st_mtime_ns == manifest  # reused, not redone
-    src, ref = t3._valid_text(prepared)  # dev BLEU reads the whole val split
+    src, ref = _valid_text(prepared)  # dev BLEU reads the whole val split
     assert src.name.startswith("val.en") and ref.name.startswith("val.de")
     with pytest.raises(ConfigError, match="vocab_size: 200 -> 300"):
         t3.prepare_data(t3.load_table3(path, {**small, "recipe.vocab_size": 300}), out, None)
