@@ -394,16 +394,23 @@ def table(records: list[dict[str, Any]]) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--presets", default="tiny,base")
-    p.add_argument("--what", default="train,decode")
-    p.add_argument("--dtypes", default="fp32,bf16")
-    p.add_argument("--hf-attn", default="eager,sdpa")
+    p.add_argument("--presets", default="tiny,base", help="model presets, comma-separated")
+    p.add_argument("--what", default="train,decode", help="train, decode, or train,decode")
+    p.add_argument(
+        "--dtypes",
+        default="fp32,bf16",
+        help="aiayn's dtypes (fp32, bf16, int8 for decoding, auto: what this CPU runs best);"
+        " HF runs bf16 under autocast, every other in fp32",
+    )
+    p.add_argument("--hf-attn", default="eager,sdpa", help="HF Marian attention implementations")
     p.add_argument(
         "--ct2", default="int8,float32", help="CTranslate2 compute types for decoding ('' to skip)"
     )
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--beam", type=int, default=4)
-    p.add_argument("--out-len", type=int, default=20)
+    p.add_argument("--steps", type=int, default=10, help="train: measured steps per system")
+    p.add_argument("--beam", type=int, default=4, help="decode: beam size (1: greedy)")
+    p.add_argument(
+        "--out-len", type=int, default=20, help="decode: every output forced to this many tokens"
+    )
     p.add_argument("--rounds", type=int, default=1, help="repeat the whole plan, interleaved")
     p.add_argument(
         "--workers",
