@@ -1,5 +1,6 @@
-"""Training (section 5): Adam with the warmup schedule (Eq. 3) and the loop (the label-
-smoothed loss is in `aiayn.training.loss`).
+"""Training (section 5): the loop around the paper's step (`aiayn.training.step.train_step`:
+the label-smoothed loss, backward, clipping, Adam at Eq. 3's rate), with what a long run
+needs: batches, guards, checkpoints, validation, logs.
 
 The loop is deterministic: batches come from (seed, epoch) alone and dropout is reseeded
 from (seed, step, rank) before every update, so a run resumed from a checkpoint repeats
@@ -11,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import os
 import signal
 import time
@@ -41,13 +41,13 @@ from aiayn.training.guards import (
     Pace,
     StopSignal,
     TrainerGuards,
-    is_oom,
 )
 from aiayn.training.loss import generator_loss, rdrop_loss
 from aiayn.training.persistence import TrainerPersistence
 from aiayn.training.precision import make_scaler, resolve_dtype
 from aiayn.training.schedule import learning_rate, make_optimizer
 from aiayn.training.state import Hooks, StepHook, TrainingError, TrainResult, TrainState
+from aiayn.training.step import BatchOutOfMemoryError, StepParts, train_step
 from aiayn.training.validation import autocast, validate
 from aiayn.training.watch import (
     TB_DIR,
@@ -268,49 +268,44 @@ class Trainer(TrainerPersistence, TrainerGuards):
         self._pending_log.append(record)
 
     def _update(self, stream: BatchStream) -> dict[str, float]:
-        """One optimizer step over `plan.accumulation` batches (train.update_freq, or as a
-        global batch needs: epochs.batch_plan); a non-finite one is skipped."""
+        """One optimizer step (`step.train_step`, section 5) over `plan.accumulation` batches
+        (train.update_freq, or as a global batch needs: epochs.batch_plan), with the guards'
+        answers to what it reports: an out-of-memory batch skips the update, a non-finite
+        loss is counted and skipped, an fp16 overflow lowers the scale."""
         for record in self._pending_log:  # made before the loop: `_log_precision`
             self._log({"step": self.state.step, **record})
         self._pending_log.clear()
-        t = self.cfg.train
         step = self.state.step + 1
         self.step_hook.begin_attempt(step)
-        _seed_step(t.seed, step, self.dist.rank, self.dist.world_size)
-        loss_sum, nll_sum, flops = 0.0, 0.0, 0.0
-        src_tok: float = 0  # summed over ranks as a float
+        _seed_step(self.cfg.train.seed, step, self.dist.rank, self.dist.world_size)
         batches = [next(stream) for _ in range(self.plan.accumulation)]
         self._last_batches = [b for _, _, b in batches]
         if self.hooks.on_batch:
             for epoch, pos, b in batches:
                 self.hooks.on_batch(step, epoch, pos, b.ids)
-        # The loss is a mean over the update's target tokens (on all ranks): scaling each
-        # batch's sum by the total before backward saves a pass over the gradients. DDP
-        # averages over ranks, hence the factor world_size.
-        (tgt_tok,) = self.dist.all_sum([sum(b.tgt_tokens for _, _, b in batches)], self.device)
-        scale = self.dist.world_size / max(tgt_tok, 1)
-        for i, (epoch, pos, batch) in enumerate(batches):
-            batch = batch.to(self.device, non_blocking=self.device.type == "cuda")
-            if t.word_dropout > 0:
-                batch = batch.drop_words(t.word_dropout)
-            last = i == len(batches) - 1
-            sync = contextlib.nullcontext() if last or not self.dist.active else self.net.no_sync()  # type: ignore[operator]
-            try:
-                with sync:
-                    self.step_hook.before_forward()
-                    loss, nll = self._loss(self.net, batch)
-                    loss = self.step_hook.on_loss(loss)
-                    # fp16: times the loss scale (the gradients are unscaled below)
-                    self.scaler.scale(loss * scale).backward()
-            except (torch.OutOfMemoryError, RuntimeError) as e:
-                if not is_oom(e):
-                    raise
-                loss = nll = None  # type: ignore[assignment]  # free what they held
-                return self._skip_oom(e, batches, i)
-            loss_sum += float(loss.detach())
-            nll_sum += float(nll)  # type: ignore[arg-type]  # None only on the OOM path
-            src_tok += batch.src_tokens
-            flops += training_flops(  # the model's work: the real tokens (model.Packing)
+        try:
+            done = train_step(self._step_parts(), self._last_batches, step, self.lr(step))
+        except BatchOutOfMemoryError as e:
+            return self._skip_oom(e.__cause__ or e, batches, e.index)
+        self.state.epoch, self.state.batch_in_epoch = batches[-1][0], batches[-1][1]
+        if done.outcome == "nonfinite":
+            self.state.nonfinite_skipped += 1
+            return {**done.stats, "skipped": 1.0}
+        if done.outcome == "overflow":
+            self.state.overflow_skipped += 1
+            self._after_overflow(step, done.loss_scale, self.scaler.get_scale())
+            return {**done.stats, "overflow": 1.0}
+        self.state.step = step
+        self.state.tokens_seen += done.src_tokens + done.tgt_tokens
+        self.state.flops += done.flops
+        return done.stats
+
+    def _step_parts(self) -> StepParts:
+        """The parts `train_step` computes with, as they are now (a test may swap one)."""
+        t = self.cfg.train
+
+        def flops(batch: Batch) -> float:  # the model's work: the real tokens (model.Packing)
+            return training_flops(
                 self.cfg.model,
                 batch.src.size(0),
                 batch.src.size(1),
@@ -318,55 +313,20 @@ class Trainer(TrainerPersistence, TrainerGuards):
                 src_tokens=batch.src_tokens,
                 tgt_tokens=batch.tgt_tokens,
             ) * (2 if t.rdrop_alpha > 0 else 1)
-            self.state.epoch, self.state.batch_in_epoch = epoch, pos
-        if self.dist.active:  # every rank reports, and decides on, the same totals
-            loss_sum, nll_sum, src_tok, flops = self.dist.all_sum(
-                [loss_sum, nll_sum, src_tok, flops], self.device
-            )
-        tgt_tok, src_tok = int(tgt_tok), int(src_tok)
-        if math.isfinite(loss_sum):  # else the guards' skip below; the scaler is untouched
-            self.scaler.unscale_(self.optimizer)  # fp16: clip and log the true gradient
-        gnorm = float(
-            torch.nn.utils.clip_grad_norm_(
-                self.model.parameters(), t.clip_norm if t.clip_norm > 0 else math.inf
-            )
+
+        return StepParts(
+            net=self.net,
+            model=self.model,
+            loss=self._loss,
+            optimizer=self.optimizer,
+            scaler=self.scaler,
+            dist=self.dist,
+            hook=self.step_hook,
+            device=self.device,
+            clip_norm=t.clip_norm,
+            word_dropout=t.word_dropout,
+            flops=flops,
         )
-        stats = {
-            "loss": loss_sum / max(tgt_tok, 1),
-            "nll": nll_sum / max(tgt_tok, 1),
-            "lr": self.lr(step),
-            "gnorm": gnorm,
-            "src_tokens": src_tok,
-            "tgt_tokens": tgt_tok,
-        }
-        # fp16: inf/NaN gradients under a finite loss are the loss scale overflowing,
-        # the scaler's to handle (below); a non-finite loss is the guards' in any dtype
-        fp16 = self.scaler.is_enabled()
-        if not (math.isfinite(loss_sum) and (fp16 or math.isfinite(gnorm))):
-            self.optimizer.zero_grad(set_to_none=True)
-            self.state.nonfinite_skipped += 1
-            stats["skipped"] = 1.0
-            return stats
-        for group in self.optimizer.param_groups:
-            group["lr"] = stats["lr"] * self.step_hook.lr_factor(step)
-        if fp16:
-            loss_scale = self.scaler.get_scale()
-            self.scaler.step(self.optimizer)  # Adam, unless the gradients overflowed
-            self.scaler.update()  # halve the scale on an overflow, double after 2000 clean
-            if self.scaler.get_scale() < loss_scale:  # the scale falls only on overflow
-                self.optimizer.zero_grad(set_to_none=True)
-                self.state.overflow_skipped += 1
-                self._after_overflow(step, loss_scale, self.scaler.get_scale())
-                return {**stats, "overflow": 1.0}
-            stats["loss_scale"] = loss_scale
-        else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.step_hook.after_update(step, self.model)
-        self.state.step = step
-        self.state.tokens_seen += src_tok + tgt_tok
-        self.state.flops += flops
-        return stats
 
     def _loss(self, net: nn.Module, batch: Batch) -> tuple[Tensor, Tensor]:
         """The batch's summed training loss and NLL, through `net` (DDP or the model)."""
