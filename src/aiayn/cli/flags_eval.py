@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from aiayn.cli.formatting import BASE, add_config_args, command_parser, preset_help
+from aiayn.config import DecodeConfig
 
 #: The paper's decoding settings (section 6.1), the presets' defaults.
 PAPER = BASE.decode
@@ -350,8 +351,10 @@ examples:
     )
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ...")
     p.add_argument("--steps", type=int, default=10, help="train: timed steps (median)")
-    p.add_argument("--beam", type=int, default=4, help="decode: beam size (1 = greedy)")
-    p.add_argument("--alpha", type=float, default=0.6, help="decode: length penalty")
+    p.add_argument(
+        "--beam", type=int, default=DecodeConfig.beam, help="decode: beam size (1 = greedy)"
+    )
+    p.add_argument("--alpha", type=float, default=DecodeConfig.alpha, help="decode: length penalty")
     p.add_argument(
         "--out-len", type=int, default=20, metavar="TOKENS", help="decode: tokens per output"
     )

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 
 from aiayn.cli.formatting import add_config_args, command_parser, from_preset
+from aiayn.config import TrainConfig
+from aiayn.experiments.recipe_config import RecipeConfig
 
 
 def add_data(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
@@ -151,18 +153,21 @@ examples:
         "may be what trained models need)",
     )
     p.add_argument(
-        "--vocab-size", type=int, default=8000, help="subword pieces in the shared vocabulary"
+        "--vocab-size",
+        type=int,
+        default=RecipeConfig.vocab_size,
+        help="subword pieces in the shared vocabulary",
     )
     p.add_argument(
         "--max-len",
         type=int,
-        default=256,
+        default=TrainConfig.max_len,
         help="drop training pairs with a side longer than this many subwords",
     )
     p.add_argument(
         "--max-len-ratio",
         type=float,
-        default=9.0,
+        default=TrainConfig.max_len_ratio,
         help="drop training pairs whose sides' lengths (subwords) differ by more than this ratio",
     )
     p.add_argument(
@@ -193,7 +198,7 @@ examples:
     p.add_argument(
         "--model-type",
         choices=["bpe", "unigram"],
-        default="bpe",
+        default=RecipeConfig.vocab_model,
         help="the subword model: bpe (the paper's En-De: 37K shared BPE) or unigram "
         "(sentencepiece's unigram LM, a word-piece-like vocabulary as for the paper's "
         "En-Fr; its trainer took ~4x BPE's memory and ~15x its time per sentence here) "
@@ -417,7 +422,7 @@ examples:
     p.add_argument(
         "--last",
         type=int,
-        default=5,
+        default=RecipeConfig.average_last,
         metavar="N",
         help="with a run directory: how many of its newest checkpoints",
     )
