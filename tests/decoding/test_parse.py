@@ -125,3 +125,24 @@ def test_parse_file_writes_a_tree_a_line_and_the_raw_outputs(tokenizer, tmp_path
     assert trees == result.trees and raw.read_text().splitlines() == result.raw
     assert [leaves(t) for t in trees] == [sentence_words(s) for s in SENTENCES]
     assert summary["sentences"] == 4 and summary["output_tokens_per_s"] > 0
+
+
+@pytest.mark.rows("F9")
+def test_bad_utf8_replaced_counted_and_partial_as_translate_does(tokenizer, tmp_path, caplog):
+    """RELIABILITY F9, as `translate_file`: an invalid UTF-8 line is replaced (U+FFFD) and
+    warned about with its line number; every line still gets its tree; the summary counts
+    it and marks the result partial (the CLI then exits 3)."""
+    path = tmp_path / "in.words"
+    path.write_bytes(b"A cat .\nDogs \xe9 bark .\nYes\n")
+    out = tmp_path / "out.trees"
+    model = random_model(tokenizer.vocab_size, 0)
+    with caplog.at_level("WARNING"):
+        _, summary = parse_file(model, tokenizer, path, out, DecodeConfig(beam=1, max_len_b=5))
+    assert summary["bad_utf8"] == 1 and summary["partial"] is True
+    assert "in.words:2" in caplog.text
+    trees = out.read_text(encoding="utf-8").splitlines()
+    assert [leaves(t) for t in trees] == [
+        ["A", "cat", "."],
+        ["Dogs", "\ufffd", "bark", "."],
+        ["Yes"],
+    ]

@@ -355,7 +355,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def cmd_parse(args: argparse.Namespace) -> int:
-    """`aiayn parse`: a tree a line for a file (or stdin) of sentences."""
+    """`aiayn parse`: a tree a line for a file (or stdin); exit 3 if the input had invalid UTF-8."""
     from tqdm import tqdm
 
     from aiayn.decoding.parse import parse_file
@@ -377,7 +377,7 @@ def cmd_parse(args: argparse.Namespace) -> int:
     finally:
         bar.close()
     print(json.dumps(summary), file=sys.stderr)
-    return 0
+    return 3 if summary.get("bad_utf8") else 0
 
 
 def cmd_recipe(args: argparse.Namespace) -> int:

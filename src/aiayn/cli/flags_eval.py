@@ -193,7 +193,8 @@ writes the tree linearized ("(S (NP XX XX )NP ... )S"); whatever it writes is re
 a well-formed tree over exactly the input's words, and the repairs that took are counted
 in the JSON summary on stderr. Pre-terminals carry the treebank's punctuation tags for
 punctuation (as EVALB needs to ignore it) and XX elsewhere: the parser does not tag.
-An empty input line is an error naming it. Decoding options default to the checkpoint's:
+An empty input line is an error naming it; invalid UTF-8 is replaced (U+FFFD), warned about
+with its line and gives exit code 3, as in translate. Decoding options default to the checkpoint's:
 for the parse preset the paper's beam 21, alpha 0.3, length <= input + 300.
 
 examples:

@@ -158,13 +158,12 @@ def parse_file(
 
     Returns:
         The result and its summary (sentences, ill-formed raw outputs, repairs by kind,
-        speed in sentences and output subwords per second).
+        speed in sentences and output subwords per second; bad_utf8: lines with invalid
+        UTF-8, replaced by U+FFFD as translate_file does, partial: whether there were any).
     """
     cfg.validate()
     name = str(input_path) if input_path is not None else "<stdin>"
-    lines, bad = read_input(input_path)
-    if bad:
-        raise InputError(f"{name}:{bad[0]}: invalid UTF-8 ({len(bad)} lines)")
+    lines, bad = read_input(input_path)  # invalid UTF-8 replaced (U+FFFD), each line warned
     if not lines:
         logger.warning("%s: empty input, writing no trees", name)
     check_sentences(lines, name)  # before the outputs are opened, or any decoding
@@ -180,7 +179,8 @@ def parse_file(
             out.write(text)
         if raw_out is not None:
             raw_out.write("".join(f"{r}\n" for r in result.raw))
-    summary = result.summary()
+    # as `translate_file` (RELIABILITY F9): the trees are written, the result marked partial
+    summary = {**result.summary(), "bad_utf8": len(bad), "partial": bool(bad)}
     if result.ill_formed:
         logger.info(
             "%d of %d outputs were not well-formed trees and were repaired (%s)",
