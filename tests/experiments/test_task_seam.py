@@ -175,3 +175,47 @@ def test_evaluate_scores_with_the_tasks_scorer_and_refuses_another_tasks_options
     assert json.loads(capsys.readouterr().out)["sacrebleu"] == pytest.approx(100.0)
     assert main(["evaluate", "--hyp", str(hyp), "--ref", str(ref), "--report"]) == 2
     assert "--report is for --task parse" in capsys.readouterr().err
+
+
+class ToyData:
+    """A task that only fetches: what `aiayn data` asks of a task."""
+
+    name: str = "toy"
+    datasets: tuple[str, ...] = ("toyset",)
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Path, Path | None, dict[str, Any]]] = []
+
+    def fetch(
+        self, dataset: str, out: Path, source: Path | None, options: dict[str, Any]
+    ) -> list[str]:
+        self.calls.append((dataset, out, source, options))
+        return [f"{dataset} fetched into {out}"]
+
+
+def test_data_fetches_through_the_task_that_reads_the_dataset(tmp_path, monkeypatch, capsys):
+    """`aiayn data NAME` asks the task whose `datasets` hold NAME (no dataset names in the
+    CLI): a new dataset is one `fetch` away, offered by `aiayn data` as soon as its task is
+    in the mapping."""
+    toy = ToyData()
+    monkeypatch.setitem(TASKS, "toy", toy)
+    out = tmp_path / "out"
+    assert main(["data", "toyset", "--out", str(out), "--from", str(tmp_path)]) == 0
+    options = {"splits": None, "langs": None, "pair": None, "split": None}
+    assert toy.calls == [("toyset", out, tmp_path, options)]
+    assert f"toyset fetched into {out}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["multi30k", "--pair", "en-de"], "--pair is not an option of multi30k"),
+        (["ptb", "--langs", "en"], "--langs is not an option of ptb; ptb takes --split"),
+        (["wmt14", "--split", "ldc"], "--split is not an option of wmt14; wmt14 takes --pair"),
+        (["wmt14"], "wmt14 needs --pair en-de or --pair en-fr"),
+    ],
+)
+def test_a_flag_of_another_dataset_is_refused_by_name(tmp_path, capsys, argv, message):
+    assert main(["data", *argv, "--out", str(tmp_path / "out")]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # refused before any work

@@ -112,60 +112,13 @@ def _progress(total: int, disable: bool) -> tuple[Any, Any]:
 
 
 def cmd_data(args: argparse.Namespace) -> int:
-    """`aiayn data`: copy or download a corpus, verified."""
-    from aiayn.data.download import download_multi30k
+    """`aiayn data`: copy or download a corpus, verified, by the task that reads it."""
+    from aiayn.experiments.tasks import task_reading
 
-    if args.dataset == "ptb":
-        return _data_ptb(args)
-    if args.dataset == "wmt14":
-        return _data_wmt14(args)
-    if args.pair:
-        raise UsageError("--pair is for wmt14")
-    kwargs: dict[str, Any] = {}
-    if args.splits:
-        kwargs["splits"] = args.splits.split(",")
-    if args.langs:
-        kwargs["langs"] = args.langs.split(",")
-    paths = download_multi30k(
-        Path(args.out), Path(args.from_dir) if args.from_dir else None, **kwargs
-    )
-    print(f"{len(paths)} files in {args.out}")
-    return 0
-
-
-def _data_wmt14(args: argparse.Namespace) -> int:
-    """`aiayn data wmt14`: the paper's WMT14 pair, verified, as aligned text."""
-    from aiayn.data.wmt14 import download_wmt14
-
-    if args.pair is None:
-        raise UsageError("wmt14 needs --pair en-de or --pair en-fr")
-    if args.splits or args.langs:
-        raise UsageError("--splits and --langs are for multi30k; wmt14 takes --pair")
-    stamp = download_wmt14(args.pair, Path(args.out), args.from_dir)
-    for split, info in stamp["splits"].items():
-        print(f"{split}: {info['lines']} pairs")
-    print(f"WMT14 {args.pair} in {args.out} (sources and counts: {args.out}/wmt14.json)")
-    return 0
-
-
-def _data_ptb(args: argparse.Namespace) -> int:
-    """`aiayn data ptb`: a treebank's splits as trees, words and linearized trees."""
-    from aiayn.data.download import download_ptb_sample
-    from aiayn.parsing.ptb import DOWNLOAD_DIR, prepare_treebank
-
-    if args.splits or args.langs:
-        raise UsageError("--splits and --langs are for multi30k; ptb takes --split")
-    out = Path(args.out)
-    if args.from_dir is not None:
-        source = Path(args.from_dir)
-        if not source.exists():
-            raise UsageError(f"--from {source}: no such file or directory")
-    else:
-        source = download_ptb_sample(out / DOWNLOAD_DIR)
-    manifest = prepare_treebank(source, out, split=args.split)
-    for split, info in manifest["splits"].items():
-        print(f"{split}: {json.dumps(info)}")
-    print(f"{manifest['split']['summary']}; written to {out}")
+    options = {"splits": args.splits, "langs": args.langs, "pair": args.pair, "split": args.split}
+    source = Path(args.from_dir) if args.from_dir is not None else None
+    for line in task_reading(args.dataset).fetch(args.dataset, Path(args.out), source, options):
+        print(line)
     return 0
 
 

@@ -7,6 +7,7 @@ import argparse
 from aiayn.cli.formatting import add_config_args, command_parser, from_preset
 from aiayn.config import TrainConfig
 from aiayn.experiments.recipe_config import RecipeConfig
+from aiayn.experiments.tasks import datasets
 
 
 def add_data(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
@@ -44,7 +45,7 @@ examples:
     )
     p.add_argument(
         "dataset",
-        choices=["multi30k", "ptb", "wmt14"],
+        choices=datasets(),
         help="the corpus: multi30k (task 1), ptb (a Penn Treebank, for parsing) or wmt14 "
         "(the paper's En-De / En-Fr data)",
     )
@@ -67,9 +68,8 @@ examples:
     p.add_argument(
         "--split",
         choices=["auto", "sample", "ldc"],
-        default="auto",
         help="ptb: which split by file: sample (NLTK's 199 files), ldc (the LDC release's "
-        "sections) or auto (by the files found)",
+        "sections) or auto (by the files found; the default)",
     )
     p.add_argument(
         "--splits",

@@ -19,12 +19,28 @@ __all__ = [
     "Scored",
     "Task",
     "TaskData",
+    "datasets",
     "load_recipe",
     "task_for",
+    "task_reading",
 ]
 
 #: The [recipe] table's `task` -> the task.
 TASKS: dict[str, Task] = {TRANSLATION.name: TRANSLATION, PARSING.name: PARSING}
+
+
+def task_reading(dataset: str) -> Task:
+    """The task whose data `dataset` is (`aiayn data DATASET`)."""
+    for task in TASKS.values():
+        if dataset in task.datasets:
+            return task
+    known = [d for t in TASKS.values() for d in t.datasets]
+    raise ConfigError(f"no task reads dataset {dataset!r}{did_you_mean(dataset, known)}")
+
+
+def datasets() -> list[str]:
+    """Every dataset some task reads, as `aiayn data` offers them."""
+    return sorted(d for t in TASKS.values() for d in t.datasets)
 
 
 def task_for(recipe: RecipeConfig, given: frozenset[str], where: str) -> Task:

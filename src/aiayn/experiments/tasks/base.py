@@ -2,6 +2,7 @@
 
 `aiayn recipe` runs one pipeline for every task (`aiayn.experiments.recipe.run_recipe`):
 
+    task.fetch        `aiayn data DATASET`: the corpus copied or downloaded, verified
     task.prepare      corpus -> RUN/data/prepared (and the dev/test files the task reads)
     (shared)          train, average the last checkpoints, load them as one decoder
     task.tune         decoding settings chosen on the development set (or those configured)
@@ -77,6 +78,18 @@ class RunContext:
     train: dict[str, Any]
 
 
+def refuse_options(dataset: str, options: dict[str, Any], reads: tuple[str, ...]) -> None:
+    """A dataset flag given for a dataset that does not read it is an error naming it and
+    the datasets that do (`aiayn data`), never silently ignored."""
+    from aiayn.files import UsageError
+
+    given = [name for name, value in options.items() if value is not None]
+    for name in given:
+        if name not in reads:
+            takes = f"; {dataset} takes {', '.join('--' + r for r in reads)}" if reads else ""
+            raise UsageError(f"--{name} is not an option of {dataset}{takes}")
+
+
 class Task(Protocol):
     """One kind of experiment a recipe can run (translation, parsing, ...)."""
 
@@ -92,6 +105,14 @@ class Task(Protocol):
     distributed: bool
     #: The options of `score_files` (`aiayn evaluate --OPTION`); another task's are refused.
     score_options: frozenset[str]
+
+    def fetch(
+        self, dataset: str, out: Path, source: Path | None, options: dict[str, Any]
+    ) -> list[str]:
+        """`aiayn data DATASET`: one of `datasets` copied from `source` (or downloaded), each
+        file verified, into `out`. `options`: the dataset flags given (--splits, --langs,
+        --pair, --split); one this dataset does not read is refused (UsageError), not
+        ignored. Returns the lines to print."""
 
     def check(self, recipe: RecipeConfig, where: str) -> None:
         """Refuse settings this task cannot run (ConfigError naming `where`), before any

@@ -25,6 +25,7 @@ so the reader sees what the model adds and what the repairs add. Files in RUN:
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import replace
 from pathlib import Path
@@ -32,8 +33,8 @@ from typing import TYPE_CHECKING, Any
 
 from aiayn.config import Config, ConfigError, DecodeConfig
 from aiayn.experiments.recipe_config import RecipeConfig
-from aiayn.experiments.tasks.base import Outcome, RunContext, Scored, TaskData
-from aiayn.files import read_lines, sha256_file, write_text_atomic
+from aiayn.experiments.tasks.base import Outcome, RunContext, Scored, TaskData, refuse_options
+from aiayn.files import UsageError, read_lines, sha256_file, write_text_atomic
 
 if TYPE_CHECKING:
     from aiayn.decoding.translate import Decoder, SubwordTokenizer
@@ -308,6 +309,23 @@ class Parsing:
     )
     distributed: bool = False
     score_options: frozenset[str] = frozenset({"params", "report"})
+
+    def fetch(
+        self, dataset: str, out: Path, source: Path | None, options: dict[str, Any]
+    ) -> list[str]:
+        """A treebank's splits as trees, words and linearized trees (--split: which files
+        make which split); without `source`, NLTK's sample, downloaded and verified."""
+        from aiayn.data.download import download_ptb_sample
+        from aiayn.parsing.ptb import DOWNLOAD_DIR, prepare_treebank
+
+        refuse_options(dataset, options, ("split",))
+        if source is None:
+            source = download_ptb_sample(out / DOWNLOAD_DIR)
+        elif not source.exists():
+            raise UsageError(f"--from {source}: no such file or directory")
+        manifest = prepare_treebank(source, out, split=options.get("split") or "auto")
+        lines = [f"{split}: {json.dumps(info)}" for split, info in manifest["splits"].items()]
+        return [*lines, f"{manifest['split']['summary']}; written to {out}"]
 
     def check(self, recipe: RecipeConfig, where: str) -> None:
         if recipe.treebank_split not in ("auto", "sample", "ldc"):
