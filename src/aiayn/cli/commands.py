@@ -335,14 +335,16 @@ def cmd_parse(args: argparse.Namespace) -> int:
 
 def cmd_recipe(args: argparse.Namespace) -> int:
     """`aiayn recipe`: an experiment file end to end, data to BLEU."""
-    from aiayn.experiments.recipe import RecipeStoppedError, format_results, load_recipe, run_recipe
+    from aiayn.experiments.recipe import RecipeStoppedError, format_results, run_recipe
+    from aiayn.experiments.tasks import load_experiment
 
     overrides: dict[str, Any] = parse_set_args(args.set or [])
     if args.max_minutes is not None:
         overrides["train.max_minutes"] = args.max_minutes
     if args.seed is not None:
         overrides["train.seed"] = args.seed
-    cfg, _ = load_recipe(args.config, overrides)
+    experiment = load_experiment(args.config, overrides)  # read once, checked before any work
+    cfg = experiment[0]
     check_device(args.device)
     if Path(args.out).is_file():
         raise UsageError(f"--out {args.out} is a file; give a run directory")
@@ -355,6 +357,7 @@ def cmd_recipe(args: argparse.Namespace) -> int:
             device=args.device,
             overrides=overrides,
             hooks=hooks,
+            experiment=experiment,
         )
     except RecipeStoppedError as e:
         print(f"aiayn recipe: {e}", file=sys.stderr)

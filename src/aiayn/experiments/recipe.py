@@ -26,10 +26,11 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from aiayn.config import Config
 from aiayn.experiments.manifest import cpu_kernels, environment
 from aiayn.experiments.recipe_config import RecipeConfig
 from aiayn.experiments.stages import RecipeStoppedError, plot_runs, train_and_average
-from aiayn.experiments.tasks import TASKS, RunContext, load_recipe, task_for
+from aiayn.experiments.tasks import TASKS, RunContext, Task, load_experiment, load_recipe
 from aiayn.files import sha256_file, write_text_atomic
 from aiayn.training.trainer import Hooks
 
@@ -53,6 +54,7 @@ def run_recipe(
     device: str = "cpu",
     overrides: dict[str, Any] | None = None,
     hooks: Hooks | None = None,
+    experiment: tuple[Config, RecipeConfig, Task] | None = None,
 ) -> dict[str, Any]:
     """Run an experiment file end to end; see the module docstring for the files it writes.
 
@@ -64,17 +66,17 @@ def run_recipe(
         device: "cpu", "cuda", ...
         overrides: config keys to change (as `--set`), e.g. {"train.max_minutes": 60}.
         hooks: training callbacks (the CLI's progress bar).
+        experiment: the file as `load_experiment(path, overrides)` read it already (the
+            CLI reads it once, to size its progress bar), or None to read it here.
 
     Returns:
         The results dictionary also written to RUN/results.json.
     """
     from aiayn.config import ConfigError
-    from aiayn.experiments.recipe_config import read_recipe
     from aiayn.experiments.stages import check_stopped, train_stage
     from aiayn.training.distributed import init_from_env
 
-    cfg, recipe, given = read_recipe(path, overrides)
-    task = task_for(recipe, given, str(path))
+    cfg, recipe, task = experiment or load_experiment(path, overrides)
     # Under torchrun, every rank runs this function: rank 0 prepares the data while the
     # others wait, every rank trains (one DDP job), and rank 0 alone averages, decodes
     # and scores; the others return once training is done.

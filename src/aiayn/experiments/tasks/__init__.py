@@ -20,6 +20,7 @@ __all__ = [
     "Task",
     "TaskData",
     "datasets",
+    "load_experiment",
     "load_recipe",
     "task_for",
     "task_reading",
@@ -67,11 +68,18 @@ def task_for(recipe: RecipeConfig, given: frozenset[str], where: str) -> Task:
     return task
 
 
+def load_experiment(
+    path: str | Path, overrides: dict[str, Any] | None = None
+) -> tuple[Config, RecipeConfig, Task]:
+    """Read an experiment file with a [recipe] table (`overrides`: --set values), checked
+    against its task (`task_for`): the file is read once, and its task comes with it."""
+    cfg, recipe, given = read_recipe(path, overrides)
+    return cfg, recipe, task_for(recipe, given, str(path))
+
+
 def load_recipe(
     path: str | Path, overrides: dict[str, Any] | None = None
 ) -> tuple[Config, RecipeConfig]:
-    """Read an experiment file with a [recipe] table (`overrides`: --set values), checked
-    against its task (`task_for`)."""
-    cfg, recipe, given = read_recipe(path, overrides)
-    task_for(recipe, given, str(path))
+    """`load_experiment` without the task."""
+    cfg, recipe, _ = load_experiment(path, overrides)
     return cfg, recipe
