@@ -28,6 +28,9 @@ the parent process: 1.3 GB at 37K pieces on WMT-like text, 1.47 GB for the whole
 tree, the same at 4.5M and 9M pairs (benchmarks/prepare_scale.py). Unigram's trainer
 needs ~4x BPE's memory per sentence (3.4 GB for 1M sentences), hence its smaller default
 sample. While encoding: the parent (~300 MB: torch is imported) and each worker (~100 MB).
+
+Long because the three passes above share their readers, counters and the manifest they
+fill; the workers' side is its own module (`data.encode_worker`).
 """
 
 from __future__ import annotations

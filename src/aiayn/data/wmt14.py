@@ -17,6 +17,10 @@ the archives (nothing is unpacked to disk), each corpus's two sides are checked 
 the same number of lines, and the outputs are written atomically: OUT/train.{en,de|fr},
 valid.* (newstest2013), test.* (newstest2014) and OUT/wmt14.json saying what came from
 where, with counts.
+
+Long because it is one concern end to end: the table of archives and their published
+hashes, the resumable download, the SGML reader, the streaming extraction and the stamp
+that makes a finished run a no-op; each part is used by the next alone.
 """
 
 from __future__ import annotations

@@ -44,6 +44,10 @@ are not reproduced. Two deliberate differences: files are read with
 aiayn.files.read_lines, so a UTF-8 byte-order mark is dropped (evalb cannot read such a
 first line and stops), and gold and test files with different line counts are refused
 (evalb scores the common part and reports one error).
+
+Long because it is one port: evalb.c's reading, label rules, bracket matching and report,
+in evalb.c's order so that the two read side by side; split, each part would serve only
+the next.
 """
 
 from __future__ import annotations
