@@ -7,6 +7,7 @@ to the wrong request, or a batch that changed an output, shows.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -38,6 +39,7 @@ from aiayn.data.tokenizer import Tokenizer  # noqa: E402
 from aiayn.decoding.translate import Translation, translate_nbest  # noqa: E402
 from aiayn.deploy.server import (  # noqa: E402
     AiaynBackend,
+    Batcher,
     Options,
     ServerLimits,
     create_app,
@@ -592,3 +594,52 @@ def test_a_batch_the_batcher_made_is_one_decoding_batch(
     results = small.translate(texts, Options(1, 0.6, 1))
     assert made == [1]
     assert [r[0].text for r in results] == expected(backend, texts, 1)
+
+
+class HeldBackend:
+    """Records each batch it decodes; the first waits until `release` is set."""
+
+    name = "held"
+    input_limit = 100
+
+    def __init__(self) -> None:
+        self.batches: list[list[str]] = []
+        self.release = threading.Event()
+
+    def count_tokens(self, text: str) -> int:
+        return len(text.split())
+
+    def translate(self, texts: list[str], options: Options) -> list[list[Translation]]:
+        self.batches.append(list(texts))
+        if len(self.batches) == 1:
+            self.release.wait(30)
+        return [[Translation(t.upper(), 0.0)] for t in texts]
+
+
+def test_an_idle_server_decodes_at_once_and_a_busy_one_batches() -> None:
+    """Issue 72: no batching wait when nothing is decoding (latency at low load); while a
+    batch decodes, a new request waits `batch_wait_ms` for company (throughput)."""
+    backend, options = HeldBackend(), Options(beam=1, alpha=0.6, nbest=1)
+
+    async def scenario() -> list[Any]:
+        batcher = Batcher(backend, ServerLimits(batch_wait_ms=500), workers=2)
+        await batcher.start()
+        try:
+            first = asyncio.create_task(batcher.submit(["a"], 1, options))
+            while not backend.batches:  # the idle server started it without waiting
+                await asyncio.sleep(0.001)
+            assert batcher.waits == 0
+            second = asyncio.create_task(batcher.submit(["b"], 1, options))
+            await asyncio.sleep(0.05)  # well inside the 500 ms window
+            third = asyncio.create_task(batcher.submit(["c"], 1, options))
+            rest = await asyncio.gather(second, third)
+            backend.release.set()
+            return [await first, *rest, batcher.waits]
+        finally:
+            backend.release.set()
+            await batcher.stop()
+
+    first, second, third, waits = asyncio.run(scenario())
+    assert backend.batches == [["a"], ["b", "c"]]  # b waited for c while a was decoding
+    assert waits == 1
+    assert [first[0][0].text, second[0][0].text, third[0][0].text] == ["A", "B", "C"]

@@ -166,7 +166,8 @@ examples:
         type=float,
         default=5.0,
         metavar="MS",
-        help="how long a request waits for others to batch with",
+        help="under load (a batch already decoding), how long a request waits for others "
+        "to batch with; on an idle server a request is decoded at once",
     )
     p.add_argument(
         "--max-queue",

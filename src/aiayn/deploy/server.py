@@ -6,8 +6,9 @@ so that what is written here is only what is particular to translation.
 
 How a request flows: the handler reads the body under a byte limit, parses and checks it
 (each fault a 4xx with a JSON error, group G3 of RELIABILITY.md), counts each text's
-subwords, and hands the texts to the `Batcher`. The batcher waits a few milliseconds for
-more requests with the same decoding options, takes up to `max_batch_tokens` source
+subwords, and hands the texts to the `Batcher`. Under load (a batch already decoding) the
+batcher waits a few milliseconds for more requests with the same decoding options (an
+idle server decodes a request at once), takes up to `max_batch_tokens` source
 subwords, and decodes them in a worker thread with the same function `aiayn translate`
 uses (`translate_nbest`): beam search is batch-invariant, so a sentence's output does not
 depend on what it was batched with (G1). The queue is bounded: beyond `max_queue`
@@ -53,7 +54,7 @@ class ServerLimits:
     """
 
     max_batch_tokens: int = 4000  # source subwords decoded together
-    batch_wait_ms: float = 5.0  # how long the first request of a batch waits for company
+    batch_wait_ms: float = 5.0  # under load, how long a batch's first request waits for company
     max_queue: int = 256  # sentences waiting or decoding; more -> 503 + Retry-After
     max_texts: int = 64  # texts in one request
     max_input_tokens: int = 0  # subwords in one text (0: the model's limit)
@@ -267,6 +268,8 @@ class Batcher:
         self.pending: deque[_Job] = deque()
         self.queued = 0  # sentences waiting or decoding
         self.dropped = 0  # jobs whose client left before their batch started
+        self.busy = 0  # batches decoding now
+        self.waits = 0  # times a first request waited for company (only under load)
         self._wakeup: asyncio.Event | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._pool: Executor | None = None
@@ -353,11 +356,15 @@ class Batcher:
             while not self.pending:
                 self._wakeup.clear()
                 await self._wakeup.wait()
-            # the first request waits a moment for others to batch with
+            # Under load (another batch decoding), the first request waits a moment for
+            # others to batch with: throughput. On an idle server nothing is coming that
+            # waiting would gather, so it is decoded at once: latency at low load.
             wait = self.limits.batch_wait_ms / 1000 - (
                 time.perf_counter() - self.pending[0].enqueued
             )
-            if wait > 0 and sum(j.tokens for j in self.pending) < self.limits.max_batch_tokens:
+            tokens = sum(j.tokens for j in self.pending)
+            if self.busy and wait > 0 and tokens < self.limits.max_batch_tokens:
+                self.waits += 1
                 await asyncio.sleep(wait)
             batch = self._take()
             if not batch:
@@ -366,6 +373,7 @@ class Batcher:
                 self._wakeup.set()  # another worker may take the rest
             texts = [t for job in batch for t in job.texts]
             start = time.perf_counter()
+            self.busy += 1
             try:
                 decode = _decode_forked if self.processes else self.backend.translate
                 results = await loop.run_in_executor(self._pool, decode, texts, batch[0].options)
@@ -385,6 +393,7 @@ class Batcher:
                         job.future.set_result(results[at : at + len(job.texts)])
                     at += len(job.texts)
             finally:
+                self.busy -= 1
                 self.queued -= len(texts)
                 self._gauge()
 
