@@ -30,6 +30,7 @@ from dataclasses import replace
 import torch
 
 import aiayn  # noqa: F401  # sets oneDNN's kernel cache before the first product
+import aiayn.fast  # noqa: F401  # the speed paths on (compiled loss and BPE-dropout: aiayn.speed)
 from aiayn.config import get_preset, load_experiment
 from aiayn.data.batching import collate, token_batches
 from aiayn.data.bpe_dropout import BPEDropout

@@ -5,13 +5,16 @@ The packages, in the order data flows through them (each imports only those abov
     config, files     settings and presets; checked file I/O
     model             the architecture of section 3, and nothing else
     scoring           BLEU (and the paper's conventions)
-    fast              speed paths behind one seam: `aiayn.fast.accelerate(model)`
+    speed             the one seam: the speed paths the paper's code may ask for by name
     data              download, tokenizer, prepare, batching (section 5.1)
     checkpoints       the checkpoint file, run directories, averaging
     decoding          beam search, ensembles, translating files (section 6.1)
     training          the loop of section 5 and its guards
-    experiments       recipes, benchmarks, curves
-    deploy            exports to other engines
+    fast              speed paths, above the paper's code; importing it registers them
+                      with `speed` (the layers below run without it)
+    experiments       recipes, benchmarks, curves        } these build runs, and turn
+    analysis          Table 1, the attention figures     } the speed paths on by
+    deploy            exports to other engines           } importing `fast`
     cli               the `aiayn` command
 
 Importing aiayn changes nothing global: process settings (allocator, oneDNN's kernel

@@ -9,9 +9,11 @@ Mask convention (one, everywhere): boolean tensors, True = "may attend".
 Everything is batch-first. Token id 0 is padding (config.PAD_ID).
 
 The speed paths (padding left out of the position-wise layers, compiled CPU kernels,
-fused attention, int8/bf16 inference layers) live in `aiayn.fast` and plug in through
-`aiayn.fast.accelerate(model)`, which swaps these modules for subclasses with the same
-parameters; this model runs, trains and decodes without them.
+fused attention, int8/bf16 inference layers) live in `aiayn.fast`, above this module: they
+subclass these modules with the same parameters and are swapped in from outside, through
+the one seam `aiayn.speed`. This model runs, trains and decodes without them. So do
+pictures of the attention: `aiayn.analysis.attention` observes these modules with
+forward hooks.
 """
 
 from __future__ import annotations
@@ -67,7 +69,8 @@ def causal_mask(tq: int, tk: int, device: torch.device) -> Tensor:
 
 
 def attention_weights(q: Tensor, k: Tensor, mask: Tensor | None = None) -> Tensor:
-    """The softmax of Eq. 1 itself, for analysis and pictures: (B, H, Tq, Tk)."""
+    """The softmax of Eq. 1 itself, for analysis and pictures: (B, H, Tq, Tk), True in
+    `mask` = may attend."""
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
@@ -104,8 +107,6 @@ class MultiHeadAttention(nn.Module):
             self.w_q = nn.Linear(d_model, h * d_k, bias=False)
             self.w_kv = nn.Linear(d_model, h * (d_k + d_v), bias=False)
         self.w_o = nn.Linear(h * d_v, d_model, bias=False)
-        self.record_weights = False  # set to keep the last attention weights (for pictures)
-        self.last_weights: Tensor | None = None
 
     def split_heads(self, x: Tensor, d: int) -> Tensor:
         """(B, T, H*d) -> (B, H, T, d)."""
@@ -153,17 +154,8 @@ class MultiHeadAttention(nn.Module):
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
         """Eq. 1 over the heads: (B, H, Tq, K) queries -> (B, H, Tq, Vd)."""
-        if self.record_weights:
-            self.record(q, k, mask, causal)
         p = self.dropout if self.training else 0.0
         return scaled_dot_product_attention(q, k, v, mask, causal=causal, dropout_p=p)
-
-    def record(self, q: Tensor, k: Tensor, mask: Tensor | None, causal: bool) -> None:
-        """Keep the softmax of Eq. 1 as `last_weights` (for pictures), causal mask applied."""
-        if causal:
-            tri = causal_mask(q.size(2), k.size(2), q.device)
-            mask = tri if mask is None else mask & tri
-        self.last_weights = attention_weights(q, k, mask).detach()
 
 
 class KVCache:
@@ -396,7 +388,7 @@ class Transformer(nn.Module):
     # -- incremental decoding (section 6.1 inference) ---------------------------------
     def init_state(self, memory: Tensor, max_len: int) -> list[LayerState]:
         """Per-layer state for incremental decoding: encoder K/V once, empty self caches.
-        `max_len`, the output cap, lets a faster cache size itself (`aiayn.fast`)."""
+        `max_len` is the output cap (this cache grows as it goes)."""
         b, cfg = memory.size(0), self.cfg
         states = []
         for layer in cast(Iterable[DecoderLayer], self.decoder):
@@ -411,16 +403,10 @@ class Transformer(nn.Module):
 
         Equals the last row of `decode` on the whole prefix (tested), at O(T) cost per step.
         """
-        return self.generator(self.decode_hidden(tokens, src_mask, states))
-
-    def decode_hidden(self, tokens: Tensor, src_mask: Tensor, states: list[LayerState]) -> Tensor:
-        """`decode_step` before the output layer: the decoder's last output (B, d_model),
-        for a search that applies `generator` its own way (`search.best_next_tokens`)."""
-        offset = states[0].self_cache.length
-        y = self.tgt_embed(tokens, offset=offset)
+        y = self.tgt_embed(tokens, offset=states[0].self_cache.length)
         for layer, state in zip(self.decoder, states, strict=True):
             y = layer(y, None, src_mask, state)
-        return y[:, -1]
+        return self.generator(y[:, -1])
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -72,7 +72,7 @@ def test_recording_changes_nothing_and_is_switched_off_after(checkpoint: Path) -
     assert maps.translation == tokenizer.decode(maps.target_ids[1:])
     modules = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
     assert len(modules) == 3 * model.cfg.N
-    assert not any(m.record_weights or m.last_weights is not None for m in modules)
+    assert not any(m._forward_hooks for m in modules)  # the observer is gone
     tgt = torch.tensor([maps.target_ids])
     with torch.inference_mode():
         before = model(src, tgt)

@@ -169,6 +169,7 @@ def test_another_process_draws_the_same_epoch(small_data: Path) -> None:
     differed between processes. These draws come from (seed, word) only."""
     code = (
         "import sys, hashlib, json\n"
+        "import aiayn.fast\n"  # the compiled merges, as in this process
         "from aiayn.data.bpe_dropout import BPEDropout\n"
         "from aiayn.data.corpus import load_corpus, load_tokenizer\n"
         "d = sys.argv[1]; c = load_corpus(d, 'train')\n"

@@ -218,8 +218,10 @@ def test_compiled_dropout_rate_scale_independence_and_gradient(p: float, dtype: 
 
 def test_grouped_cross_attention_equals_attention_to_copies():
     """Beam search keeps the encoder keys/values once per sentence; a sentence's g
-    hypotheses attend to them as one block. Same output (and recorded weights) as g
+    hypotheses attend to them as one block. Same output (and observed weights) as g
     copies of the keys/values, padding mask included."""
+    from aiayn.analysis.attention import AttentionObserver
+
     m = small_model()
     attn = m.decoder[0].cross_attn
     a, g, s = 3, 4, 6
@@ -228,17 +230,17 @@ def test_grouped_cross_attention_equals_attention_to_copies():
     src[1, 3:] = PAD_ID
     mask = m.src_mask(src)
     x = torch.randn(a * g, 2, m.cfg.d_model, dtype=torch.float64)
-    attn.record_weights = True
     k, v = attn.project_kv(memory)
-    grouped = attn(x, mask=mask.repeat_interleave(g, 0), kv=(k, v))
-    grouped_w = attn.last_weights
-    copies = attn(
-        x,
-        mask=mask.repeat_interleave(g, 0),
-        kv=(k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)),
-    )
+    with AttentionObserver(m) as seen:
+        grouped = attn(x, mask=mask.repeat_interleave(g, 0), kv=(k, v))
+        grouped_w = seen.weights[attn]
+        copies = attn(
+            x,
+            mask=mask.repeat_interleave(g, 0),
+            kv=(k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)),
+        )
     torch.testing.assert_close(grouped, copies, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(grouped_w, attn.last_weights, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grouped_w, seen.weights[attn], rtol=1e-12, atol=1e-12)
     assert grouped_w[g : 2 * g, :, :, 3:].abs().max() == 0  # sentence 1's padding: no weight
 
 
@@ -319,22 +321,34 @@ def test_compiled_decoding_steps_equal_pytorch_ops(dtype, monkeypatch):
 
 
 @pytest.mark.skipif(native.library() is None, reason="no compiled library")
-def test_compiled_decoding_records_attention_weights_with_pytorch_ops():
-    """A picture of the weights during a decoding step reads the compiled cache."""
+def test_compiled_decoding_steps_can_be_observed():
+    """A picture of the weights during a compiled decoding step (`AttentionObserver`, from
+    outside the model) reads the compiled cache: the weights the PyTorch ops' cache gives."""
+    from aiayn.analysis.attention import AttentionObserver
+
     m = small_model().float()
     src = torch.randint(4, 50, (2, 5))
-    for layer in m.decoder:
-        layer.self_attn.record_weights = layer.cross_attn.record_weights = True
-    with torch.inference_mode():
-        memory, mask = m.encode(src)
-        states = m.init_state(memory, 5)
-        assert isinstance(states[0].self_cache, PathKVCache)
-        for t in range(3):
-            m.decode_step(torch.full((2, 1), 4 + t), mask, states)
-    w = m.decoder[0].self_attn.last_weights
+    seen_by_cache = []
+    for compiled in (True, False):
+        with AttentionObserver(m) as seen, torch.inference_mode():
+            memory, mask = m.encode(src)
+            states = m.init_state(memory, 5) if compiled else paper_states(m, memory)
+            assert isinstance(states[0].self_cache, PathKVCache) == compiled
+            for t in range(3):
+                m.decode_step(torch.full((2, 1), 4 + t), mask, states)
+        seen_by_cache.append(seen.weights)
+    w = seen_by_cache[0][m.decoder[0].self_attn]
     assert w.shape == (2, 4, 1, 3)
     torch.testing.assert_close(w.sum(-1), torch.ones(2, 4, 1))
-    assert m.decoder[0].cross_attn.last_weights.shape == (2, 4, 1, 5)
+    assert seen_by_cache[0][m.decoder[0].cross_attn].shape == (2, 4, 1, 5)
+    for layer in m.decoder:
+        for attn in (layer.self_attn, layer.cross_attn):
+            torch.testing.assert_close(seen_by_cache[0][attn], seen_by_cache[1][attn])
+
+
+def paper_states(m: Transformer, memory: torch.Tensor) -> list:  # type: ignore[type-arg]
+    """The paper's decoding states (`KVCache`), for a model that would take the compiled one."""
+    return Transformer.init_state(m, memory, 5)
 
 
 def test_compiled_decoding_only_without_gradients_on_the_cpu():

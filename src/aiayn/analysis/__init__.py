@@ -8,4 +8,7 @@
   and the model's own translation of it.
 
 `plots` draws both; matplotlib is imported inside its functions only (the `plot` extra).
+Importing this package turns the speed paths on (`aiayn.fast`, through `aiayn.speed`).
 """
+
+import aiayn.fast  # noqa: F401  # the speed paths on, for whoever measures through here

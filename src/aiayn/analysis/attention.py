@@ -3,10 +3,10 @@ for one sentence and the model's own translation of it.
 
 The sentence is translated by the decoding aiayn uses (`aiayn.decoding.search`: beam
 search with the checkpoint's options, or greedy), then the model runs once more,
-teacher-forced on (source, translation), with `MultiHeadAttention.record_weights` set on
-every attention layer: each keeps the softmax of Eq. 1 (masks applied) as
-`last_weights`. Recording only reads q and k; the outputs are unchanged, and the flags
-are restored afterwards.
+teacher-forced on (source, translation), observed from outside (`AttentionObserver`: a
+forward hook on every attention layer, which recomputes the softmax of Eq. 1, masks
+applied, from the layer's inputs and its own projections). The model holds no recording
+code; the outputs are unchanged, and the hooks are removed afterwards.
 
 The decoder's rows and columns are its inputs, `<s>` y_1 .. y_m: row t is the position
 that predicts y_{t+1} (so in encoder-decoder attention, the source words a head looks at
@@ -17,20 +17,23 @@ while choosing the next word). Layers and heads are numbered from 1, as in the p
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 from aiayn.analysis import plots
 from aiayn.config import BOS_ID, EOS_ID, DecodeConfig
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.decoding.search import beam_search
+from aiayn.fast.caches import PathKVCache
 from aiayn.files import UsageError
-from aiayn.model import MultiHeadAttention, Transformer
+from aiayn.model import MultiHeadAttention, Transformer, attention_weights, causal_mask
 
 #: The three kinds of attention in the model (section 3.2.3), as the JSON names them.
 KINDS = ("encoder_self", "decoder_self", "encoder_decoder")
@@ -70,29 +73,81 @@ class AttentionMaps:
         }
 
 
+def observed_weights(
+    module: MultiHeadAttention, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Tensor:
+    """The softmax of Eq. 1 (B, H, Tq, Tk) that `module` computed on a call with `args`
+    and `kwargs`, masks applied (the causal one too), recomputed from the call's inputs
+    with the module's own projections: the same products on the same inputs, so the same
+    numbers. Read after the call: a self-attention cache then holds this step's keys."""
+    call = inspect.signature(module.forward).bind(*args, **kwargs).arguments
+    if call.get("packing") is not None or call.get("memory_packing") is not None:
+        raise ValueError("attention is observed on padded batches (evaluation), not packed rows")
+    x, mask, causal = call["x"], call.get("mask"), bool(call.get("causal", False))
+    h, d_k, d_v = module.h, module.d_k, module.d_v
+    if module.self_attention:
+        q, k, _ = module.w_qkv(x).split([h * d_k, h * d_k, h * d_v], dim=-1)
+        q, k = module.split_heads(q, d_k), module.split_heads(k, d_k)
+        cache = call.get("cache")
+        if cache is not None:  # every position decoded so far, this one included
+            k = cache.keys_values()[0] if isinstance(cache, PathKVCache) else cache.k
+            causal = causal and q.size(2) > 1  # a single new query may see all the past
+    else:
+        q = module.split_heads(module.w_q(x), d_k)
+        kv = call.get("kv")
+        k = kv[0] if kv is not None else module.project_kv(call["memory"])[0]
+        if k.size(0) != q.size(0):  # beam search keeps each sentence's keys once
+            k = k.repeat_interleave(q.size(0) // k.size(0), dim=0)
+    if causal:
+        tri = causal_mask(q.size(2), k.size(2), q.device)
+        mask = tri if mask is None else mask & tri
+    return attention_weights(q, k, mask).detach()
+
+
+class AttentionObserver:
+    """Watches every attention layer of a model (`MultiHeadAttention`) from outside, with
+    forward hooks: inside `with AttentionObserver(model) as seen:`, each call's weights
+    (`observed_weights`) are kept as `seen.weights[module]` (the latest call's). The
+    model's outputs are unchanged; leaving the block removes the hooks."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.modules = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
+        self.weights: dict[nn.Module, Tensor] = {}
+        self._handles: list[RemovableHandle] = []
+
+    def _hook(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], _out: Any
+    ) -> None:
+        assert isinstance(module, MultiHeadAttention)
+        self.weights[module] = observed_weights(module, args, kwargs)
+
+    def __enter__(self) -> AttentionObserver:
+        self._handles = [
+            m.register_forward_hook(self._hook, with_kwargs=True) for m in self.modules
+        ]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
 def record_attention(model: Transformer, src: Tensor, tgt_in: Tensor) -> dict[str, list[Tensor]]:
     """Every head's weights, teacher-forced: src (1, S) and tgt_in (1, T) token ids ->
     {kind: one (H, Tq, Tk) float32 tensor per layer} (see `AttentionMaps`)."""
-    modules = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
-    before = [m.record_weights for m in modules]
-    try:
-        for m in modules:
-            m.record_weights = True
-        with torch.inference_mode():
-            model(src, tgt_in)
+    with AttentionObserver(model) as seen, torch.inference_mode():
+        model(src, tgt_in)
 
-        def weights(m: object) -> Tensor:
-            assert isinstance(m, MultiHeadAttention) and m.last_weights is not None
-            return m.last_weights[0].float().cpu()
+    def weights(m: Tensor | nn.Module) -> Tensor:
+        assert isinstance(m, MultiHeadAttention)
+        return seen.weights[m][0].float().cpu()
 
-        return {
-            "encoder_self": [weights(layer.self_attn) for layer in model.encoder],
-            "decoder_self": [weights(layer.self_attn) for layer in model.decoder],
-            "encoder_decoder": [weights(layer.cross_attn) for layer in model.decoder],
-        }
-    finally:
-        for m, flag in zip(modules, before, strict=True):
-            m.record_weights, m.last_weights = flag, None
+    return {
+        "encoder_self": [weights(layer.self_attn) for layer in model.encoder],
+        "decoder_self": [weights(layer.self_attn) for layer in model.decoder],
+        "encoder_decoder": [weights(layer.cross_attn) for layer in model.decoder],
+    }
 
 
 def attention_maps(

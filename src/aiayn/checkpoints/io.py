@@ -32,6 +32,7 @@ from typing import IO, TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from aiayn import speed
 from aiayn.files import atomic_write, sha256_file, write_text_atomic
 
 if TYPE_CHECKING:
@@ -340,8 +341,8 @@ def load_model(
 ) -> tuple[Transformer, Tokenizer, Config]:
     """The model, its vocabulary and config from one checkpoint, ready to translate.
 
-    `fast`: with the speed paths (`aiayn.fast.accelerate`), as decoding wants it; False
-    gives the paper's model alone.
+    `fast`: with the speed paths where they are on (`aiayn.speed.accelerate`: the ones
+    `aiayn.fast` registers), as decoding wants it; False gives the paper's model alone.
 
     Returns:
         (Transformer in eval mode on `device`, Tokenizer, Config).
@@ -351,7 +352,6 @@ def load_model(
     """
     from aiayn.config import Config, ConfigError
     from aiayn.data.tokenizer import Tokenizer
-    from aiayn.fast import accelerate
     from aiayn.files import InputError
     from aiayn.model import Transformer
 
@@ -368,7 +368,7 @@ def load_model(
         model = Transformer(cfg.model)
         model.load_state_dict(ckpt["model"])
         if fast:
-            model = accelerate(model)
+            model = speed.accelerate(model, pack_padding=True, cpu_kernels=True)
     except (CheckpointError, ConfigError, InputError, RuntimeError, TypeError) as e:
         raise CheckpointError(f"{path}: cannot build the model: {e}") from e
     return model.to(device).eval(), tokenizer, cfg

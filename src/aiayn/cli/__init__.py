@@ -60,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None:
         argv = sys.argv[1:]
     apply_process_settings(argv, reexec=reexec)
+    import aiayn.fast  # noqa: F401  # the speed paths on for every command (aiayn.speed)
+
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,

@@ -9,9 +9,9 @@ from array import array
 
 import torch
 
+from aiayn import speed
 from aiayn.data.corpus import Corpus
 from aiayn.data.tokenizer import Tokenizer
-from aiayn.fast import native
 
 logger = logging.getLogger(__name__)
 
@@ -145,15 +145,20 @@ class BPEDropout:
 
     def _segment(self, seed: int, threshold: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Every sentence's new ids, concatenated, and their offsets."""
-        done = native.bpe_dropout(
-            self._sym,
-            self._word_off,
-            self._keys,
-            self._merged,
-            self._score,
-            self._v,
-            seed,
-            threshold,
+        kernel = speed.IMPLEMENTATIONS.get("bpe_dropout")  # compiled, with the speed paths
+        done = (
+            kernel(
+                self._sym,
+                self._word_off,
+                self._keys,
+                self._merged,
+                self._score,
+                self._v,
+                seed,
+                threshold,
+            )
+            if kernel is not None
+            else None
         )
         if done is None:
             done = _bpe_dropout_words(self._sym, self._word_off, self._merges, seed, threshold)

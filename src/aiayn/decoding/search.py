@@ -35,9 +35,8 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from aiayn import speed
 from aiayn.config import BOS_ID, EOS_ID, PAD_ID
-from aiayn.fast import native
-from aiayn.model import Transformer
 
 #: Tokens that are never generated: padding and the start symbol.
 NEVER_GENERATED = (PAD_ID, BOS_ID)
@@ -163,26 +162,25 @@ def best_next_tokens(
     the order of the log-probabilities, so the k best are picked by logit and only they
     are normalised, instead of a log-softmax over the whole (R, V) table. The normaliser
     covers every token, the `exclude`d ones included: the model's distribution is not
-    renormalised. On the CPU the compiled `native.lse_topk` does this in one pass over each
-    row where it can be built; PyTorch ops otherwise. A `Transformer` whose output layer
-    has its own `lse_topk` (`inference.Int8Linear`) gives it the decoder's output instead
-    of calling it, so that int8 logits are scaled as they are read rather than written
-    out (not where a subclass overrides `decode_step`: its logits are what it says).
+    renormalised. With the speed paths on (`aiayn.speed`), a model whose output layer
+    finds the best tokens itself (int8 decoding: `step_topk`) is asked for them, so that
+    its logits are scaled as they are read rather than written out; the rest goes through
+    `logits_topk`.
     """
-    head = getattr(getattr(model, "generator", None), "lse_topk", None)
-    if (
-        head is not None
-        and isinstance(model, Transformer)
-        and type(model).decode_step is Transformer.decode_step
-    ):  # not overridden
-        hidden = model.decode_hidden(last, src_mask, states)
-        fast = head(hidden, k, exclude)
-        if fast is not None:
-            return fast
-        logits = model.generator(hidden)
-    else:
-        logits = model.decode_step(last, src_mask, states)
-    fast = native.lse_topk(logits, k, exclude)
+    fused = speed.IMPLEMENTATIONS.get("step_topk")
+    if fused is not None:
+        found = fused(model, last, src_mask, states, k, exclude)
+        if found is not None:
+            return found
+    return logits_topk(model.decode_step(last, src_mask, states), k, exclude)
+
+
+def logits_topk(logits: Tensor, k: int, exclude: tuple[int, ...]) -> tuple[Tensor, Tensor]:
+    """`best_next_tokens` of a table of next-token logits (R, V). On the CPU the speed
+    paths' compiled `lse_topk` does it in one pass over each row where it can be built
+    (`aiayn.speed`); PyTorch ops otherwise, and without the speed paths."""
+    kernel = speed.IMPLEMENTATIONS.get("lse_topk")
+    fast = kernel(logits, k, exclude) if kernel is not None else None
     if fast is not None:
         return fast
     logits = logits.float()

@@ -59,8 +59,7 @@ class FastMultiHeadAttention(paper.MultiHeadAttention):
             if isinstance(cache, PathKVCache):  # a decoding step on the CPU: compiled Eq. 1
                 rows = qkv.squeeze(1)  # (B, H*(2K+Vd)): one new position per row
                 cache.add(rows)
-                if not self.record_weights:
-                    return self.w_o(cache.attend(rows[:, : self.h * self.d_k]).unsqueeze(1))
+                return self.w_o(cache.attend(rows[:, : self.h * self.d_k]).unsqueeze(1))
             if packing is not None:
                 qkv = packing.unpack(qkv)
             q, k, v = qkv.split([self.h * self.d_k, self.h * self.d_k, self.h * self.d_v], dim=-1)
@@ -69,8 +68,8 @@ class FastMultiHeadAttention(paper.MultiHeadAttention):
                 self.split_heads(k, self.d_k),
                 self.split_heads(v, self.d_v),
             )
-            if cache is not None:  # (for a picture of the weights, PyTorch ops read `PathKVCache`)
-                k, v = cache.keys_values() if isinstance(cache, PathKVCache) else cache.append(k, v)
+            if cache is not None:
+                k, v = cache.append(k, v)
                 causal = causal and q.size(2) > 1  # a single new query may see all the past
         else:
             q = self.w_q(x)
@@ -78,7 +77,6 @@ class FastMultiHeadAttention(paper.MultiHeadAttention):
                 kv is not None
                 and mask is not None
                 and q.size(1) == 1
-                and not self.record_weights
                 and compiled_decoding(q, self.h, self.d_k, self.d_v)
             ):
                 # a decoding step on the CPU: compiled Eq. 1 over each sentence's keys/values
@@ -95,8 +93,6 @@ class FastMultiHeadAttention(paper.MultiHeadAttention):
         return self.w_o(out if packing is None else packing.pack(out))
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
-        if self.record_weights:
-            self.record(q, k, mask, causal)
         p = self.dropout if self.training else 0.0
         return scaled_dot_product_attention(q, k, v, mask, causal=causal, dropout_p=p)
 
@@ -116,14 +112,6 @@ class FastMultiHeadAttention(paper.MultiHeadAttention):
         q = q.view(a, g, h, tq, d_k).transpose(1, 2).reshape(a, h, g * tq, d_k)
         if mask is not None:
             mask = mask[::g]  # the rows of one sentence share its source mask
-        if self.record_weights:
-            self.last_weights = (
-                paper.attention_weights(q, k, mask)
-                .detach()
-                .view(a, h, g, tq, -1)
-                .transpose(1, 2)
-                .reshape(b, h, tq, -1)
-            )
         out = scaled_dot_product_attention(q, k, v, mask)  # (A, H, g*Tq, Vd); eval only
         return out.view(a, h, g, tq, self.d_v).permute(0, 2, 3, 1, 4).reshape(b, tq, h * self.d_v)
 
@@ -276,6 +264,17 @@ class FastTransformer(paper.Transformer):
             k, v = layer.cross_attn.project_kv(memory)
             states.append(paper.LayerState(cache, (k.contiguous(), v.contiguous())))  # type: ignore[arg-type]
         return states
+
+    def decode_hidden(
+        self, tokens: Tensor, src_mask: Tensor, states: list[paper.LayerState]
+    ) -> Tensor:
+        """`decode_step` before the output layer: the decoder's last output (B, d_model),
+        for an output layer that finds the beam's best tokens itself (`Int8Linear.lse_topk`,
+        through `registry.step_topk`)."""
+        y = self.tgt_embed(tokens, offset=states[0].self_cache.length)
+        for layer, state in zip(self.decoder, states, strict=True):
+            y = layer(y, None, src_mask, state)
+        return y[:, -1]
 
 
 #: paper module -> its fast subclass

@@ -138,7 +138,8 @@ def _probe_search(dtype: str) -> Callable[[], None]:
     """One decoding search of the probe's random model in `dtype`, ready to time."""
     from aiayn.config import ModelConfig
     from aiayn.fast import native
-    from aiayn.fast.inference import cast
+    from aiayn.fast.inference import Int8Linear, cast
+    from aiayn.fast.layers import FastTransformer
     from aiayn.model import Transformer
 
     gen = torch.Generator().manual_seed(0)
@@ -146,6 +147,7 @@ def _probe_search(dtype: str) -> Callable[[], None]:
         torch.manual_seed(0)
         model = Transformer(ModelConfig(**PROBE_MODEL, vocab_size=PROBE_VOCAB)).eval()  # type: ignore[arg-type]
     model = cast(model, dtype)
+    assert isinstance(model, FastTransformer)  # `cast` plugs the speed paths in
     src = torch.randint(4, PROBE_VOCAB, (PROBE_SENTENCES, 14), generator=gen)
     rows = PROBE_SENTENCES * PROBE_BEAM
 
@@ -158,7 +160,8 @@ def _probe_search(dtype: str) -> Callable[[], None]:
             last = torch.full((rows, 1), 2, dtype=torch.long)  # BOS
             for _ in range(PROBE_STEPS):
                 hidden = model.decode_hidden(last, mask, states)
-                head = getattr(model.generator, "lse_topk", None)
+                out_layer = model.generator
+                head = out_layer.lse_topk if isinstance(out_layer, Int8Linear) else None
                 best = head(hidden, PROBE_BEAM, ()) if head is not None else None
                 if best is None:
                     logits = model.generator(hidden)

@@ -27,7 +27,7 @@ from aiayn import checkpoints as ckpt_lib
 from aiayn.config import Config
 from aiayn.data.batching import Batch, EpochBatches, collate
 from aiayn.data.corpus import Corpus
-from aiayn.fast.layers import FastTransformer
+from aiayn.model import Transformer
 from aiayn.training.distributed import DistContext
 from aiayn.training.epochs import epoch_order
 from aiayn.training.precision import MIN_LOSS_SCALE
@@ -207,7 +207,7 @@ class TrainerGuards:
     run_dir: Path
     dist: DistContext
     device: torch.device
-    model: FastTransformer
+    model: Transformer
     optimizer: torch.optim.Optimizer
     state: TrainState
     step_hook: StepHook

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from aiayn import speed
 from aiayn.config import PAD_ID
-from aiayn.fast import native
 
 #: Rows of the (tokens, V) table per block: 64 x 8k float32 is 2 MiB, one core's L2 cache.
 ROWS_PER_BLOCK = 64
@@ -93,8 +93,9 @@ def generator_loss(
     The fused path is for the CPU. Elsewhere this is the unfused loss: on a GPU the
     selection of the real rows waits for the device (a 20% slower base step at 291
     sentences on an H100), and the passes over the table are not what limits the step.
-    `cpu_kernels` (train.cpu_kernels): the table's rows in compiled code
-    (`native.smoothed_ce`) where it is available; else PyTorch ops (other rounding).
+    `cpu_kernels` (train.cpu_kernels): the table's rows in compiled code where the speed
+    paths provide it (`aiayn.speed`: `aiayn.fast.native.smoothed_ce`); else PyTorch ops
+    (other rounding).
     """
     device = features.device.type
     if device != "cpu":
@@ -181,7 +182,8 @@ def _smoothed_ce_rows(
     d loss / d logits = softmax - q. `cpu_kernels`: in compiled code where it applies.
     """
     n, vocab = logits.shape
-    fast = native.smoothed_ce(logits, target, eps, write_grad) if cpu_kernels else None
+    kernel = speed.IMPLEMENTATIONS.get("smoothed_ce") if cpu_kernels else None
+    fast = kernel(logits, target, eps, write_grad) if kernel is not None else None
     if fast is not None:
         lse, picked, total = fast
         nll = (lse - picked).sum()

@@ -14,7 +14,7 @@ import torch
 from aiayn import checkpoints as ckpt_lib
 from aiayn.config import Config
 from aiayn.data.tokenizer import Tokenizer
-from aiayn.fast.layers import FastTransformer
+from aiayn.model import Transformer
 from aiayn.training.distributed import DistContext
 from aiayn.training.resume import check_resume_compatible, reshard
 from aiayn.training.state import StepHook, TrainingError, TrainState
@@ -34,7 +34,7 @@ class TrainerPersistence:
     data_dir: Path
     dist: DistContext
     device: torch.device
-    model: FastTransformer
+    model: Transformer
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     _pending_log: list[dict[str, Any]]

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from aiayn.fast import machine
+from aiayn import speed
 
 #: What `train.dtype` may say; "auto" is resolved per device by `resolve_dtype`.
 TRAIN_DTYPES = ("fp32", "bf16", "fp16", "auto")
@@ -36,9 +36,10 @@ MIN_LOSS_SCALE = 1e-4
 def resolve_dtype(dtype: str, device: torch.device | str) -> str:
     """The dtype a run computes in: "auto" becomes bf16 on a GPU that supports it
     natively, fp16 on an older CUDA GPU (P100, V100, T4: bf16 there would be emulated);
-    on the CPU what this machine trains fastest in (`aiayn.fast.machine.best`: bf16 where
-    the CPU multiplies it natively, AMX or AVX-512 BF16, and the probe confirms it; fp32
-    where bf16 would be emulated, AVX2-only CPUs among them); fp32 on any other device.
+    on the CPU what this machine trains fastest in (`aiayn.fast.machine.best`, through
+    `aiayn.speed`: bf16 where the CPU multiplies it natively, AMX or AVX-512 BF16, and
+    the probe confirms it; fp32 where bf16 would be emulated, AVX2-only CPUs among them;
+    fp32 without the speed paths); fp32 on any other device.
     Any other value stands as it is."""
     if dtype != "auto":
         return dtype
@@ -48,7 +49,8 @@ def resolve_dtype(dtype: str, device: torch.device | str) -> str:
             native_bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
         return "bf16" if native_bf16 else "fp16"
     if device.type == "cpu":
-        return machine.best().train_dtype
+        choice = speed.machine_choice()
+        return "fp32" if choice is None else choice.train_dtype
     return "fp32"
 
 

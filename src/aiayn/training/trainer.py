@@ -23,14 +23,12 @@ import torch
 from torch import Tensor, nn
 
 from aiayn import checkpoints as ckpt_lib
+from aiayn import speed
 from aiayn.config import ONEDNN_PRIMITIVE_CACHE_CAPACITY, Config
 from aiayn.data.batching import Batch, Prefetch
 from aiayn.data.bpe_dropout import BPEDropout
 from aiayn.data.corpus import Corpus, has_split, load_corpus, load_manifest, split_sha256
 from aiayn.data.tokenizer import Tokenizer
-from aiayn.fast import accelerate, machine
-from aiayn.fast.flops import training_flops
-from aiayn.fast.machine import slow_bf16_warning
 from aiayn.files import write_text_atomic
 from aiayn.model import Transformer, count_parameters
 from aiayn.training.distributed import init_from_env, shutdown
@@ -125,8 +123,8 @@ class Trainer(TrainerPersistence, TrainerGuards):
             self._lock = ckpt_lib.RunLock(self.run_dir).__enter__()
         self.dist.barrier()
         torch.manual_seed(self.cfg.train.seed)  # the same initial weights for a given seed
-        # the paper's model with the speed paths plugged in (`aiayn.fast`)
-        self.model = accelerate(
+        # the paper's model, with the speed paths plugged in where they are on (`aiayn.speed`)
+        self.model = speed.accelerate(
             Transformer(self.cfg.model).to(self.device),
             pack_padding=self.cfg.train.pack_padding,
             cpu_kernels=self.cfg.train.cpu_kernels,
@@ -236,11 +234,13 @@ class Trainer(TrainerPersistence, TrainerGuards):
         t = self.cfg.train
         dtype = resolve_dtype(t.dtype, self.device)
         cpu = self.device.type == "cpu"
-        if cpu and self.dist.is_main:  # the machine and what aiayn chose on it, first
-            log.info("%s", machine.describe())
+        choice = speed.machine_choice() if cpu else None
+        describe = speed.IMPLEMENTATIONS.get("describe_machine")
+        if cpu and self.dist.is_main and describe is not None:  # the machine and the choices
+            log.info("%s", describe())
         if t.dtype == "auto":
             why = (
-                machine.best().reasons["train"]
+                (choice.reasons["train"] if choice else "without the speed paths (aiayn.fast)")
                 if cpu
                 else "this GPU multiplies bf16 natively"
                 if dtype == "bf16"
@@ -263,8 +263,8 @@ class Trainer(TrainerPersistence, TrainerGuards):
                     "than fp32 (unless the CPU has AVX-512 FP16): fp16 is for GPUs"
                 )
         record: dict[str, Any] = {"event": "precision", "dtype": t.dtype, "resolved": dtype}
-        if cpu:
-            record["machine"] = machine.best().to_dict()
+        if choice is not None:
+            record["machine"] = choice.to_dict()
         self._pending_log.append(record)
 
     def _update(self, stream: BatchStream) -> dict[str, float]:
@@ -303,9 +303,12 @@ class Trainer(TrainerPersistence, TrainerGuards):
     def _step_parts(self) -> StepParts:
         """The parts `train_step` computes with, as they are now (a test may swap one)."""
         t = self.cfg.train
+        count = speed.IMPLEMENTATIONS.get("training_flops")
 
         def flops(batch: Batch) -> float:  # the model's work: the real tokens (model.Packing)
-            return training_flops(
+            if count is None:  # counted by the speed paths' FLOP formulas (aiayn.fast.flops)
+                return 0.0
+            return count(
                 self.cfg.model,
                 batch.src.size(0),
                 batch.src.size(1),
@@ -523,7 +526,7 @@ class Trainer(TrainerPersistence, TrainerGuards):
             self._warn_about_bf16()
 
     def _warn_about_bf16(self) -> None:
-        warning = slow_bf16_warning(self.device)
+        warning = speed.slow_bf16_warning(self.device)
         if warning:
             log.warning(warning)
             self._log({"step": self.state.step, "event": "slow_bf16", "message": warning})
