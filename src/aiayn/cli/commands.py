@@ -307,27 +307,43 @@ def cmd_translate(args: argparse.Namespace) -> int:
     """`aiayn translate`: decode a file or stdin; exit 3 if the input had invalid UTF-8."""
     from tqdm import tqdm
 
+    from aiayn.cli.commands_generate import sampling_options, translate_stdin
     from aiayn.decoding.translate import translate_file
 
+    sampling = sampling_options(args)
+    if args.input == "-":
+        args.input = None
     extra = {"decode.beam": 1} if args.greedy else {}
     model, tokenizer, cfg = _load_decoder(args, ("output",), extra)
     # lines done, on stderr, only when it is a terminal (the JSON summary follows it)
     bar = tqdm(unit=" lines", disable=args.no_progress or None, dynamic_ncols=True, file=sys.stderr)
     try:
-        summary = translate_file(
-            model,
-            tokenizer,
-            args.input,
-            args.output,
-            cfg.decode,
-            device=args.device,
-            progress=bar.update,
-            workers=args.workers,
-        )
+        if args.input is None:  # stdin: each translation as soon as it is decoded
+            summary = translate_stdin(model, tokenizer, args, cfg, sampling, bar)
+        else:
+            summary = translate_file(
+                model,
+                tokenizer,
+                args.input,
+                args.output,
+                cfg.decode,
+                device=args.device,
+                progress=bar.update,
+                workers=args.workers,
+                sampling=sampling,
+            )
     finally:
         bar.close()
     print(json.dumps(summary), file=sys.stderr)
     return 3 if summary.get("bad_utf8") else 0
+
+
+def cmd_score(args: argparse.Namespace) -> int:
+    """`aiayn score`: each pair's log-probability under the model (forced decoding)."""
+    from aiayn.cli.commands_generate import score_files
+
+    check_device(args.device)
+    return score_files(args)
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
