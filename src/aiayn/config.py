@@ -19,6 +19,7 @@ else:  # Python 3.10 has no tomllib; tomli is the same parser (a dependency ther
     import tomli as tomllib
 
 Positional = Literal["sinusoidal", "learned"]
+Norm = Literal["post", "pre"]
 DType = Literal["fp32", "bf16", "fp16", "auto"]  # aiayn.training.precision
 
 #: oneDNN's kernel cache as the `aiayn` command sets it (`aiayn.cli.environment`; oneDNN's
@@ -56,6 +57,11 @@ class ModelConfig:
     max_positions: int = 1024  # longest sequence the position table holds
     share_embeddings: bool = True  # one matrix: source, target and pre-softmax (section 3.4)
     vocab_size: int = 0
+    # Where each sublayer's LayerNorm sits: "post", the paper's LayerNorm(x + Sublayer(x));
+    # "pre", x + Sublayer(LayerNorm(x)) with a final LayerNorm ending each stack (Wang et
+    # al. 2019, "Learning Deep Transformer Models for MT"; fairseq's --*-normalize-before),
+    # stabler at depth and what most train today.
+    norm: Norm = "post"
 
     def validate(self) -> None:
         for name in ("N", "d_model", "d_ff", "h", "d_k", "d_v", "max_positions"):
@@ -68,6 +74,8 @@ class ModelConfig:
             raise ConfigError(
                 f"model.positional must be 'sinusoidal' or 'learned', got {self.positional!r}"
             )
+        if self.norm not in ("post", "pre"):
+            raise ConfigError(f"model.norm must be 'post' or 'pre', got {self.norm!r}")
         if self.positional == "sinusoidal" and self.d_model % 2:
             raise ConfigError("model.d_model must be even for sinusoidal positions")
         if self.vocab_size < 0:

@@ -554,7 +554,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         print(
             f"{info['preset']}: N={m.N} d_model={m.d_model} d_ff={m.d_ff} h={m.h} d_k={m.d_k} "
             f"d_v={m.d_v} P_drop={m.P_drop} eps_ls={cfg.train.eps_ls} "
-            f"positional={m.positional}"
+            f"positional={m.positional} norm={m.norm}"
         )
         print(f"parameters: {n:,} ({n / 1e6:.1f}M) with a shared vocabulary of {args.vocab_size:,}")
         print(machine.describe())

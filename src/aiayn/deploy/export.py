@@ -1,6 +1,7 @@
 """Export an aiayn model to CTranslate2, the inference engine users deploy NMT models with.
 
-The paper's Transformer maps one to one onto CTranslate2's post-norm `TransformerSpec`:
+The paper's Transformer maps one to one onto CTranslate2's post-norm `TransformerSpec` (and
+a `model.norm = "pre"` model onto its pre-norm one, final LayerNorms included):
 fused Q/K/V (self-attention) and K/V (encoder-decoder attention) projections without
 biases, LayerNorm after each residual, the sinusoidal table added to embeddings scaled by
 sqrt(d_model), one matrix for both embeddings and the pre-softmax projection. The export
@@ -126,7 +127,9 @@ def to_ctranslate2(
     if cfg.h * cfg.d_k != cfg.d_model or cfg.h * cfg.d_v != cfg.d_model:
         raise ValueError("CTranslate2 needs h * d_k == h * d_v == d_model")
     sd = {k: v.detach().float().cpu().numpy() for k, v in model.state_dict().items()}
-    spec = ts.TransformerSpec.from_config((cfg.N, cfg.N), cfg.h, pre_norm=False)
+    # model.norm "pre" is CTranslate2's pre_norm: the same LayerNorms read before each
+    # sublayer, and a final one ending each stack
+    spec = ts.TransformerSpec.from_config((cfg.N, cfg.N), cfg.h, pre_norm=cfg.norm == "pre")
     pe = sinusoidal_positions(cfg.max_positions, cfg.d_model).numpy()
 
     def norm(s: Any, name: str) -> None:
@@ -163,6 +166,9 @@ def to_ctranslate2(
         linear(layer.attention.linear[2], f"{p}.cross_attn.w_o")
         norm(layer.attention.layer_norm, f"{p}.norm2")
         ffn(layer.ffn, f"{p}.ffn", f"{p}.norm3")
+    if cfg.norm == "pre":
+        norm(spec.encoder.layer_norm, "encoder_norm")
+        norm(spec.decoder.layer_norm, "decoder_norm")
     linear(spec.decoder.projection, "generator")
     if never_generate:
         bias = torch.zeros(cfg.vocab_size)

@@ -97,6 +97,11 @@ def marian_config(model: Transformer, decode: Any = None) -> Any:
         raise ValueError("Marian export needs sinusoidal positions (learned: Table 3 E)")
     if cfg.h * cfg.d_k != cfg.d_model or cfg.h * cfg.d_v != cfg.d_model:
         raise ValueError("Marian needs h * d_k == h * d_v == d_model")
+    if cfg.norm != "post":
+        raise ValueError(
+            f"Marian export needs model.norm = 'post': this model is {cfg.norm}-norm, and "
+            "Hugging Face's MarianMT has post-norm layers only; --to ctranslate2 takes it"
+        )
     eps = {m.eps for m in model.modules() if isinstance(m, torch.nn.LayerNorm)}
     if eps != {MARIAN_LAYER_NORM_EPS}:
         raise ValueError(
