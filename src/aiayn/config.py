@@ -157,7 +157,10 @@ class TrainConfig:
     # from PyTorch's generator after the step's seed, so resumed runs repeat it exactly.
     # 0 = off, the paper's inputs.
     word_dropout: float = 0.0
-    patience: int = 0  # stop after this many validations without a better NLL; 0 = never
+    # Early stopping: stop after this many validations in a row without a better value of
+    # the watched metric, best_metric's (valid BLEU where it is measured, which only the
+    # validations with BLEU count), else validation NLL; 0 = never.
+    patience: int = 0
     # Watching a long run (aiayn.training.watch), none of it changing the training: every
     # valid_bleu_interval_steps steps (a multiple of valid_interval_steps; 0 = off, as in
     # the recipes) the validation also decodes the first valid_bleu_sentences validation

@@ -273,6 +273,11 @@ examples:
   aiayn train data/multi30k-en-de --out runs/p3 \\
       --config configs/multi30k-en-de.toml --set P_drop=0.3 \\
       --set train.dtype=fp32
+  aiayn train data/multi30k-en-de --out runs/pre --preset tiny \\
+      --set model.norm=pre      # pre-LN: x + Sublayer(LN(x)), final LN per stack
+  aiayn train data/multi30k-en-de --out runs/es --config configs/multi30k-en-de.toml \\
+      --set train.valid_bleu_interval_steps=1000 \\
+      --set train.patience=3    # stop after 3 valid BLEUs in a row without a better one
   torchrun --nproc-per-node=8 -m aiayn train data/wmt14 --out runs/base \\
       --device cuda""",
     )

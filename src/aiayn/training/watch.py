@@ -176,6 +176,13 @@ def best_metric_name(t: TrainConfig) -> str | None:
     return None
 
 
+def patience_metric(t: TrainConfig) -> str:
+    """The record key train.patience watches: train.best_metric's ("valid_bleu" where BLEU
+    is measured, "valid_ppl"), else "valid_nll" (best_metric "none", or "auto" without
+    valid BLEU)."""
+    return best_metric_name(t) or "valid_nll"
+
+
 def is_better(metric: str, value: float, best_metric: str, best_value: float) -> bool:
     """Whether `value` of `metric` beats the best so far: higher BLEU, lower PPL; the
     first value of a metric (or one measured by another metric before) always does; a
