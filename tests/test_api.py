@@ -138,3 +138,21 @@ def test_train_runs_what_the_command_runs(small_data: Path, tmp_path: Path) -> N
     assert result.last_checkpoint.is_file()
     t = aiayn.Translator.load(result.last_checkpoint, dtype="fp32")
     assert len(t.translate(["A man rides a bike."], max_len_b=3)) == 1
+
+
+def test_sampling_flags_are_checked_before_any_work(ckpt: Path, tmp_path: Path) -> None:
+    src = tmp_path / "src.txt"
+    src.write_text("abc\n")
+    base = ("translate", "--checkpoint", ckpt, "--input", src)
+    for flags, fragment in (
+        (("--top-k", "5"), "--top-k need --sampling"),
+        (("--sampling", "--beam", "2"), "--beam is for beam search"),
+        (("--sampling", "--top-p", "0"), "top_p must be in (0, 1]"),
+        (("--sampling", "--nbest", "2", "--samples", "3"), "give one"),
+    ):
+        code, _, err = cli(*base, *flags)
+        assert code == 2, (flags, err)
+        assert_one_line_error(err, fragment)
+    code, out, err = cli(*base, "--dtype", "fp32", "--sampling", "--samples", "2", "--seed", "3")
+    assert code == 0, err
+    assert [line.split(" ||| ")[0] for line in out.splitlines()] == ["0", "0"]
