@@ -187,6 +187,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     given = [f"--{k.replace('_', '-')}" for k in streaming_only if getattr(args, k) is not None]
     if given and not args.streaming:
         raise UsageError(f"{', '.join(given)} need --streaming")
+    if args.vocab == "separate" and args.streaming:
+        raise UsageError("--vocab separate is not implemented with --streaming yet")
     kwargs: dict[str, Any] = {}
     if args.streaming:
         from aiayn.data.stream_prepare import prepare_streaming as prepare  # type: ignore[assignment]
@@ -209,6 +211,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         model_type=args.model_type,
         seed=args.seed,
         **kwargs,
+        **({"vocab": args.vocab} if args.vocab != "shared" else {}),
     )
     for split, info in manifest.get("splits", {}).items():
         print(f"{split}: {info}")

@@ -164,7 +164,7 @@ class CTranslate2Backend:
         import ctranslate2
         import sentencepiece as spm
 
-        from aiayn.deploy.export import read_export_info
+        from aiayn.deploy.export import read_export_info, target_sentencepiece
 
         info = read_export_info(model_dir)
         known = {f.name for f in dataclasses.fields(DecodeConfig)}
@@ -172,6 +172,7 @@ class CTranslate2Backend:
         self.sp = spm.SentencePieceProcessor(
             model_file=str(Path(model_dir) / info["sentencepiece"])
         )
+        self.sp_out = target_sentencepiece(model_dir, info) or self.sp  # separate vocabularies
         self.translator = ctranslate2.Translator(
             str(model_dir),
             device="cpu",
@@ -209,7 +210,7 @@ class CTranslate2Backend:
         # sentence's own cap (for greedy search, exactly aiayn's output)
         return [
             [
-                Translation(str(self.sp.decode(tokens[:cap])), float(score))
+                Translation(str(self.sp_out.decode(tokens[:cap])), float(score))
                 for tokens, score in zip(r.hypotheses, r.scores, strict=True)
             ]
             for r, cap in zip(results, caps, strict=True)

@@ -27,7 +27,7 @@ from aiayn.config import ONEDNN_PRIMITIVE_CACHE_CAPACITY, Config
 from aiayn.data.batching import Batch, Prefetch
 from aiayn.data.bpe_dropout import BPEDropout
 from aiayn.data.corpus import Corpus, has_split, load_corpus, load_manifest, split_sha256
-from aiayn.data.tokenizer import Tokenizer
+from aiayn.data.tokenizer import PairTokenizer, load_vocabulary
 from aiayn.fast import accelerate, machine
 from aiayn.fast.flops import training_flops
 from aiayn.fast.machine import slow_bf16_warning
@@ -102,10 +102,13 @@ class Trainer(TrainerPersistence, TrainerGuards):
         self.device = torch.device(device)
         self.hooks = hooks or Hooks()
         self.manifest = load_manifest(self.data_dir)
-        self.tokenizer = Tokenizer.load(self.data_dir / "spm.model")
+        self.tokenizer = load_vocabulary(self.data_dir / "spm.model")
         from dataclasses import replace
 
-        self.cfg = replace(cfg, model=replace(cfg.model, vocab_size=self.tokenizer.vocab_size))
+        model = replace(cfg.model, vocab_size=self.tokenizer.vocab_size)
+        if isinstance(self.tokenizer, PairTokenizer):  # ids mean other pieces on each side
+            model = replace(model, share_embeddings=False)
+        self.cfg = replace(cfg, model=model)
         self.cfg.validate()
         self.train_data = load_corpus(self.data_dir, "train")
         t = self.cfg.train

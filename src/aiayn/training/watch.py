@@ -32,7 +32,7 @@ import torch
 
 from aiayn.config import EOS_ID, DecodeConfig, TrainConfig
 from aiayn.data.corpus import Corpus
-from aiayn.data.tokenizer import Tokenizer
+from aiayn.data.tokenizer import Vocabulary
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class BleuSubset:
 
 def bleu_subset(
     corpus: Corpus,
-    tokenizer: Tokenizer,
+    tokenizer: Vocabulary,
     manifest: dict[str, Any],
     n: int,
     max_input_len: int,
@@ -142,7 +142,7 @@ def decode_ids(
 def valid_bleu(
     model: Any,
     subset: BleuSubset,
-    tokenizer: Tokenizer,
+    tokenizer: Vocabulary,
     beam: int,
     cfg: DecodeConfig,
     device: torch.device,
