@@ -56,6 +56,10 @@ class ModelConfig:
     positional: Positional = "sinusoidal"  # "learned" is Table 3 row E
     max_positions: int = 1024  # longest sequence the position table holds
     share_embeddings: bool = True  # one matrix: source, target and pre-softmax (section 3.4)
+    # With share_embeddings off: the target embedding and the pre-softmax projection still
+    # one matrix (Press and Wolf 2017), as separate vocabularies allow (prepare --vocab
+    # separate: training turns it on, and share_embeddings off).
+    share_target_embeddings: bool = False
     vocab_size: int = 0
     # Where each sublayer's LayerNorm sits: "post", the paper's LayerNorm(x + Sublayer(x));
     # "pre", x + Sublayer(LayerNorm(x)) with a final LayerNorm ending each stack (Wang et

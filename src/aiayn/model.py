@@ -365,6 +365,8 @@ class Transformer(nn.Module):
         self._init_parameters()
         if cfg.share_embeddings:
             self.generator.weight = emb.weight  # the pre-softmax projection is the embedding
+        elif cfg.share_target_embeddings:  # separate vocabularies: the target side's only
+            self.generator.weight = tgt_emb.weight
 
     def _init_parameters(self) -> None:
         # tensor2tensor: Glorot-uniform matrices, N(0, d_model^-0.5) embeddings so that the
@@ -458,7 +460,8 @@ def parameter_formula(cfg: ModelConfig) -> int:
     norm = 2 * D
     enc_layer = attn + ffn + 2 * norm
     dec_layer = 2 * attn + ffn + 3 * norm
-    embeddings = V * D if cfg.share_embeddings else 3 * V * D
+    matrices = 1 if cfg.share_embeddings else 2 if cfg.share_target_embeddings else 3
+    embeddings = matrices * V * D
     positions = cfg.max_positions * D * 2 if cfg.positional == "learned" else 0
     final_norms = 2 * norm if cfg.norm == "pre" else 0
     return embeddings + positions + cfg.N * (enc_layer + dec_layer) + final_norms

@@ -21,6 +21,7 @@ from aiayn.data.tokenizer import (
     vocabulary_from_bytes,
 )
 from aiayn.files import InputError, read_lines
+from aiayn.model import count_parameters, parameter_formula
 from aiayn.training.trainer import train
 from helpers import MULTI30K, SMALL_TRAINING, cli, tiny_config
 
@@ -88,8 +89,10 @@ def test_it_trains_decodes_scores_and_exports(en_fr: Path, tmp_path: Path) -> No
     assert raw["tokenizer"].numpy().tobytes().startswith(PAIR_MAGIC)  # both models recorded
     model, vocab, cfg = load_model(ckpt, fast=False)
     assert isinstance(vocab, PairTokenizer) and not cfg.model.share_embeddings
+    assert cfg.model.share_target_embeddings  # tied only where the vocabulary is shared:
     assert model.src_embed.token.weight is not model.tgt_embed.token.weight
-    assert model.generator.weight is not model.src_embed.token.weight
+    assert model.generator.weight is model.tgt_embed.token.weight  # the target side's
+    assert count_parameters(model) == parameter_formula(cfg.model)
 
     t = aiayn.Translator.load(ckpt, dtype="fp32")
     lines = (en_fr / "valid.en").read_text(encoding="utf-8").splitlines()[:8]

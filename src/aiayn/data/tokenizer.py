@@ -290,7 +290,8 @@ class PairTokenizer:
     with aiayn's special ids. It stands where one `Tokenizer` stands: `encode` is the
     source's (what is translated), `decode` the target's (what comes out), `sha256` the
     pair's; the two are `source` and `target`. Source and target ids then mean different
-    pieces, so the model ties no source embedding to the target's (`share_embeddings`).
+    pieces, so the model ties no source embedding to the target's (`share_embeddings` off;
+    the target embedding stays the pre-softmax projection: `share_target_embeddings`).
 
     Serialized (`to_bytes`, the file `spm.model` of a prepared directory, a checkpoint's
     "tokenizer") as PAIR_MAGIC, the source model's length (8 bytes, big-endian), the source

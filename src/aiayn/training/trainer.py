@@ -107,7 +107,7 @@ class Trainer(TrainerPersistence, TrainerGuards):
 
         model = replace(cfg.model, vocab_size=self.tokenizer.vocab_size)
         if isinstance(self.tokenizer, PairTokenizer):  # ids mean other pieces on each side
-            model = replace(model, share_embeddings=False)
+            model = replace(model, share_embeddings=False, share_target_embeddings=True)
         self.cfg = replace(cfg, model=model)
         self.cfg.validate()
         self.train_data = load_corpus(self.data_dir, "train")
