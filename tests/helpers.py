@@ -271,3 +271,40 @@ def assert_one_line_error(err: str, *fragments: str) -> None:
     assert len(errors) == 1, err
     for fragment in fragments:
         assert fragment in errors[0], errors[0]
+
+
+# --------------------------------------------------------------------------- a checkpoint
+def random_checkpoint(path: Path, seed: int = 0, **model: Any) -> Path:
+    """A checkpoint of an untrained tiny model (N=2, d_model 32, P_drop 0, `model` settings
+    on top) with a 60-subword vocabulary learned from letters: for what loads, decodes and
+    scores files, not for what it says. Decoding: beam 4, alpha 0.6, output <= 8 subwords."""
+    import random
+
+    from aiayn.checkpoints.io import FORMAT, save_checkpoint_file
+    from aiayn.config import Config, DecodeConfig
+    from aiayn.data.tokenizer import Tokenizer
+
+    rng = random.Random(seed)
+    letters = "abcdefghij"
+    sentences = [
+        " ".join("".join(rng.choice(letters) for _ in range(rng.randint(1, 4))) for _ in range(6))
+        for _ in range(300)
+    ]
+    tok = Tokenizer.train_from_sentences(sentences, 60, None)
+    settings = dict(N=2, d_model=32, h=2, d_k=16, d_v=16, d_ff=64, P_drop=0.0)
+    cfg = ModelConfig(**{**settings, **model, "vocab_size": tok.vocab_size})
+    torch.manual_seed(seed)
+    net = Transformer(cfg)
+    config = Config(model=cfg, decode=DecodeConfig(beam=4, alpha=0.6, max_len_a=0.0, max_len_b=8))
+    save_checkpoint_file(
+        path,
+        {
+            "format": FORMAT,
+            "config": config.to_dict(),
+            "vocab_sha256": tok.sha256,
+            "tokenizer": torch.frombuffer(bytearray(tok.to_bytes()), dtype=torch.uint8),
+            "model": net.state_dict(),
+            "step": 0,
+        },
+    )
+    return path

@@ -17,6 +17,7 @@ DIFFERENT_ON_PURPOSE = {
     ("bench", "vocab_size"): "the benchmark's synthetic vocabulary, the peers' protocol",
     ("info", "vocab_size"): "the paper's 37,000 shared pieces, for Table 3's parameter counts",
     ("attention", "dtype"): "the pictures in fp32: attention weights, not speed",
+    ("score", "dtype"): "log-probabilities are measurements: fp32 unless asked, not speed",
 }
 
 

@@ -22,3 +22,15 @@ cache) are applied by the `aiayn` command's entry point.
 """
 
 __version__ = "0.1.0"
+
+#: The public Python API (docs/api.md), imported on first use: `import aiayn` stays light.
+_API = ("Parser", "PairScore", "TrainResult", "Translation", "Translator", "train")
+__all__ = ["__version__", *_API]
+
+
+def __getattr__(name: str) -> object:
+    if name in _API:
+        from aiayn import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'aiayn' has no attribute {name!r}")

@@ -19,6 +19,7 @@ else:  # Python 3.10 has no tomllib; tomli is the same parser (a dependency ther
     import tomli as tomllib
 
 Positional = Literal["sinusoidal", "learned"]
+Norm = Literal["post", "pre"]
 DType = Literal["fp32", "bf16", "fp16", "auto"]  # aiayn.training.precision
 
 #: oneDNN's kernel cache as the `aiayn` command sets it (`aiayn.cli.environment`; oneDNN's
@@ -55,7 +56,16 @@ class ModelConfig:
     positional: Positional = "sinusoidal"  # "learned" is Table 3 row E
     max_positions: int = 1024  # longest sequence the position table holds
     share_embeddings: bool = True  # one matrix: source, target and pre-softmax (section 3.4)
+    # With share_embeddings off: the target embedding and the pre-softmax projection still
+    # one matrix (Press and Wolf 2017), as separate vocabularies allow (prepare --vocab
+    # separate: training turns it on, and share_embeddings off).
+    share_target_embeddings: bool = False
     vocab_size: int = 0
+    # Where each sublayer's LayerNorm sits: "post", the paper's LayerNorm(x + Sublayer(x));
+    # "pre", x + Sublayer(LayerNorm(x)) with a final LayerNorm ending each stack (Wang et
+    # al. 2019, "Learning Deep Transformer Models for MT"; fairseq's --*-normalize-before),
+    # stabler at depth and what most train today.
+    norm: Norm = "post"
 
     def validate(self) -> None:
         for name in ("N", "d_model", "d_ff", "h", "d_k", "d_v", "max_positions"):
@@ -68,6 +78,8 @@ class ModelConfig:
             raise ConfigError(
                 f"model.positional must be 'sinusoidal' or 'learned', got {self.positional!r}"
             )
+        if self.norm not in ("post", "pre"):
+            raise ConfigError(f"model.norm must be 'post' or 'pre', got {self.norm!r}")
         if self.positional == "sinusoidal" and self.d_model % 2:
             raise ConfigError("model.d_model must be even for sinusoidal positions")
         if self.vocab_size < 0:
@@ -149,7 +161,10 @@ class TrainConfig:
     # from PyTorch's generator after the step's seed, so resumed runs repeat it exactly.
     # 0 = off, the paper's inputs.
     word_dropout: float = 0.0
-    patience: int = 0  # stop after this many validations without a better NLL; 0 = never
+    # Early stopping: stop after this many validations in a row without a better value of
+    # the watched metric, best_metric's (valid BLEU where it is measured, which only the
+    # validations with BLEU count), else validation NLL; 0 = never.
+    patience: int = 0
     # Watching a long run (aiayn.training.watch), none of it changing the training: every
     # valid_bleu_interval_steps steps (a multiple of valid_interval_steps; 0 = off, as in
     # the recipes) the validation also decodes the first valid_bleu_sentences validation

@@ -212,7 +212,8 @@ class PositionwiseFeedForward(nn.Module):
 
 # --------------------------------------------------------------------------- 3.1
 class EncoderLayer(nn.Module):
-    """Self-attention then FFN, each as LayerNorm(x + Dropout(Sublayer(x))) (post-norm)."""
+    """Self-attention then FFN, each as LayerNorm(x + Dropout(Sublayer(x))) (post-norm, the
+    paper's), or with `model.norm = "pre"` as x + Dropout(Sublayer(LayerNorm(x)))."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -223,8 +224,13 @@ class EncoderLayer(nn.Module):
         self.norm1 = nn.LayerNorm(cfg.d_model)
         self.norm2 = nn.LayerNorm(cfg.d_model)
         self.dropout = nn.Dropout(cfg.P_drop)  # section 5.4: on each sublayer's output
+        self.pre_norm = cfg.norm == "pre"
 
     def forward(self, x: Tensor, src_mask: Tensor) -> Tensor:
+        if self.pre_norm:
+            h = self.norm1(x)
+            x = x + self.dropout(self.self_attn(h, mask=src_mask))
+            return x + self.dropout(self.ffn(self.norm2(x)))
         x = self.norm1(x + self.dropout(self.self_attn(x, mask=src_mask)))
         return self.norm2(x + self.dropout(self.ffn(x)))
 
@@ -246,7 +252,8 @@ class LayerState:
 
 
 class DecoderLayer(nn.Module):
-    """Masked self-attention, encoder-decoder attention, FFN; each post-norm."""
+    """Masked self-attention, encoder-decoder attention, FFN; each post-norm (or pre-norm,
+    as `EncoderLayer`)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -261,12 +268,17 @@ class DecoderLayer(nn.Module):
         self.norm2 = nn.LayerNorm(cfg.d_model)
         self.norm3 = nn.LayerNorm(cfg.d_model)
         self.dropout = nn.Dropout(cfg.P_drop)
+        self.pre_norm = cfg.norm == "pre"
 
     def forward(
         self, y: Tensor, memory: Tensor, src_mask: Tensor, state: LayerState | None = None
     ) -> Tensor:
         cache = state.self_cache if state is not None else None
         kv = state.memory_kv if state is not None else None
+        if self.pre_norm:
+            y = y + self.dropout(self.self_attn(self.norm1(y), causal=True, cache=cache))
+            y = y + self.dropout(self.cross_attn(self.norm2(y), memory, src_mask, kv=kv))
+            return y + self.dropout(self.ffn(self.norm3(y)))
         y = self.norm1(y + self.dropout(self.self_attn(y, causal=True, cache=cache)))
         y = self.norm2(y + self.dropout(self.cross_attn(y, memory, src_mask, kv=kv)))
         return self.norm3(y + self.dropout(self.ffn(y)))
@@ -337,10 +349,16 @@ class Transformer(nn.Module):
         self.tgt_embed = Embeddings(cfg, tgt_emb)
         self.encoder = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.N))
         self.decoder = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.N))
+        # pre-norm: each stack's output is normalised once more, as the post-norm stack's
+        # last sublayer does (only then: post-norm checkpoints keep their parameters)
+        self.encoder_norm = nn.LayerNorm(cfg.d_model) if cfg.norm == "pre" else None
+        self.decoder_norm = nn.LayerNorm(cfg.d_model) if cfg.norm == "pre" else None
         self.generator = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self._init_parameters()
         if cfg.share_embeddings:
             self.generator.weight = emb.weight  # the pre-softmax projection is the embedding
+        elif cfg.share_target_embeddings:  # separate vocabularies: the target side's only
+            self.generator.weight = tgt_emb.weight
 
     def _init_parameters(self) -> None:
         # tensor2tensor: Glorot-uniform matrices, N(0, d_model^-0.5) embeddings so that the
@@ -364,7 +382,12 @@ class Transformer(nn.Module):
         x = self.src_embed(src)
         for layer in self.encoder:
             x = layer(x, mask)
-        return x, mask
+        return self.end_norm(x, self.encoder_norm), mask
+
+    @staticmethod
+    def end_norm(x: Tensor, norm: nn.LayerNorm | None) -> Tensor:
+        """A stack's output: pre-norm's final LayerNorm applied, when there is one."""
+        return x if norm is None else norm(x)
 
     def decode(
         self, tgt_in: Tensor, memory: Tensor, src_mask: Tensor, *, features_only: bool = False
@@ -379,6 +402,7 @@ class Transformer(nn.Module):
         y = self.tgt_embed(tgt_in)
         for layer in self.decoder:
             y = layer(y, memory, src_mask)
+        y = self.end_norm(y, self.decoder_norm)
         return y if features_only else self.generator(y)
 
     def forward(self, src: Tensor, tgt_in: Tensor, *, features_only: bool = False) -> Tensor:
@@ -406,7 +430,7 @@ class Transformer(nn.Module):
         y = self.tgt_embed(tokens, offset=states[0].self_cache.length)
         for layer, state in zip(self.decoder, states, strict=True):
             y = layer(y, None, src_mask, state)
-        return self.generator(y[:, -1])
+        return self.generator(self.end_norm(y[:, -1], self.decoder_norm))
 
 
 def count_parameters(model: nn.Module) -> int:
@@ -422,6 +446,8 @@ def parameter_formula(cfg: ModelConfig) -> int:
     norm = 2 * D
     enc_layer = attn + ffn + 2 * norm
     dec_layer = 2 * attn + ffn + 3 * norm
-    embeddings = V * D if cfg.share_embeddings else 3 * V * D
+    matrices = 1 if cfg.share_embeddings else 2 if cfg.share_target_embeddings else 3
+    embeddings = matrices * V * D
     positions = cfg.max_positions * D * 2 if cfg.positional == "learned" else 0
-    return embeddings + positions + cfg.N * (enc_layer + dec_layer)
+    final_norms = 2 * norm if cfg.norm == "pre" else 0
+    return embeddings + positions + cfg.N * (enc_layer + dec_layer) + final_norms

@@ -80,6 +80,43 @@ def test_ctranslate2_greedy_output_equals_aiayn(tmp_path):
     assert [sum(r.log_probs) for r in scored] == pytest.approx(expected, abs=1e-4)
 
 
+def test_a_pre_norm_model_exports_to_ctranslate2s_pre_norm_spec(tmp_path):
+    """model.norm = "pre": CTranslate2's pre_norm spec with the final LayerNorms; its
+    teacher-forced log-probabilities and greedy outputs are aiayn's (a random model, its
+    LayerNorm gains and biases moved away from 1 and 0 so that a misplaced norm shows)."""
+    import dataclasses
+
+    torch.manual_seed(0)
+    model = Transformer(dataclasses.replace(_model().cfg, norm="pre")).eval()
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.LayerNorm):
+                m.weight.copy_(1 + 0.5 * torch.randn(m.weight.shape, generator=g))
+                m.bias.copy_(0.5 * torch.randn(m.bias.shape, generator=g))
+    strings = random_strings(16, g)
+    src, tgt_in, tgt_out = copy_batch(strings)
+    src, tgt_in, tgt_out = (t.clamp(max=59) for t in (src, tgt_in, tgt_out))
+    translator = ctranslate2.Translator(str(to_ctranslate2(model, tmp_path / "ct2")))
+    tokens = vocabulary(model.cfg.vocab_size)
+    rows = [[int(t) for t in r if t != PAD_ID] for r in src]
+    refs = [[int(t) for t in r if t not in (PAD_ID, EOS_ID)] for r in tgt_out]
+    with torch.no_grad():
+        logp = torch.log_softmax(model(src, tgt_in), -1).gather(-1, tgt_out.unsqueeze(-1))
+    expected = [float(logp[i, : len(r) + 1].sum()) for i, r in enumerate(refs)]
+    scored = translator.score_batch(
+        [[tokens[t] for t in r] for r in rows], [[tokens[t] for t in r] for r in refs]
+    )
+    assert [sum(r.log_probs) for r in scored] == pytest.approx(expected, abs=1e-4)
+    ours = greedy_search(model, src, max_len_a=0, max_len_b=8)
+    path = to_ctranslate2(model, tmp_path / "ct2-search", never_generate=NEVER_GENERATED)
+    translator = ctranslate2.Translator(str(path))  # aiayn never generates PAD or BOS
+    results = translator.translate_batch(
+        [[tokens[t] for t in r] for r in rows], beam_size=1, max_decoding_length=8
+    )
+    assert [[tokens.index(t) for t in r.hypotheses[0]] for r in results] == ours
+
+
 def test_vocabulary_puts_ctranslate2_special_tokens_at_aiayn_ids():
     tokens = vocabulary(6, pieces=["a", "b", "c", "d", "x", "y"])
     assert tokens == [SPECIAL[0], SPECIAL[1], SPECIAL[2], SPECIAL[3], "x", "y"]

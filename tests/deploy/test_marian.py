@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,6 +98,9 @@ def test_marian_export_refuses_what_marian_cannot_express():
     model.encoder[0].norm1.eps = 1e-6
     with pytest.raises(ValueError, match="epsilon"):
         to_marian_model(model)
+    pre = Transformer(dataclasses.replace(_model().cfg, norm="pre"))
+    with pytest.raises(ValueError, match="model.norm = 'post'.*ctranslate2"):
+        to_marian_model(pre)
 
 
 # --------------------------------------------------------------------------- a trained model

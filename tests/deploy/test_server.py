@@ -643,3 +643,36 @@ def test_an_idle_server_decodes_at_once_and_a_busy_one_batches() -> None:
     assert backend.batches == [["a"], ["b", "c"]]  # b waited for c while a was decoding
     assert waits == 1
     assert [first[0][0].text, second[0][0].text, third[0][0].text] == ["A", "B", "C"]
+
+
+# ------------------------------------------------------------------------- sampling
+def test_sampling_options_draw_what_translate_sampling_draws(backend: AiaynBackend) -> None:
+    """A request with "sampling": its nbest samples a text equal the library's for the same
+    seed, with text i seeded by (seed, i) whatever else shares its batch; sampling
+    options without "sampling", or a beam with it, are refused by name."""
+    from aiayn.decoding.sampling import SamplingOptions
+
+    texts = _texts(4, seed=5)
+    body = {"text": texts, "sampling": True, "nbest": 3, "top_k": 5, "seed": 11}
+    with running(create_app(backend, backend.decode)) as server:
+        status, answer, _ = post(f"{server.url}/translate", body)
+        again = post(f"{server.url}/translate", body)[1]
+        alone = post(f"{server.url}/translate", {**body, "text": texts[0]})[1]
+        refused = post(f"{server.url}/translate", {"text": texts, "top_p": 0.5})
+        with_beam = post(f"{server.url}/translate", {**body, "beam": 2})
+    assert status == 200, answer
+    assert answer["sampling"] == {"n": 3, "temperature": 1.0, "top_k": 5, "top_p": 1.0, "seed": 11}
+    opts = SamplingOptions(n=3, top_k=5, seed=11)
+    want, _ = translate_nbest(
+        backend.model, backend.tokenizer, texts, backend.decode, sampling=opts
+    )
+    for item, hyps in zip(answer["translations"], want, strict=True):
+        assert [h["text"] for h in item["nbest"]] == [h.text for h in hyps]
+        assert item["text"] == hyps[0].text
+    assert again["translations"] == answer["translations"]
+    # alone or batched: the same samples (scores up to float rounding across batch shapes)
+    first, first_alone = answer["translations"][0]["nbest"], alone["translations"][0]["nbest"]
+    assert [h["text"] for h in first_alone] == [h["text"] for h in first]
+    assert [h["score"] for h in first_alone] == pytest.approx([h["score"] for h in first])
+    assert refused[0] == 422 and "top_p" in refused[1]["error"]
+    assert with_beam[0] == 422 and "beam" in with_beam[1]["error"]

@@ -369,6 +369,21 @@ def test_the_multi30k_experiment_file_scales_each_row_as_the_paper():
         assert all((ours[k] > 0) == (theirs[k] > 0) for k in ours), spec.name
 
 
+def test_pre_ln_rows_train_with_model_norm_pre():
+    """configs/table3-norm.toml: post- against pre-LN as rows (issue 73)."""
+    exp = t3.load_table3(ROOT / "configs" / "table3-norm.toml")
+    norms = {s.name: exp.config(s, 1).model for s in exp.rows}
+    assert {k: (m.norm, m.N) for k, m in norms.items()} == {
+        "base": ("post", 4),
+        "pre": ("pre", 4),
+        "C3": ("post", 6),
+        "C3pre": ("pre", 6),
+    }
+    assert exp.row("pre").paper is None and exp.row("C3pre").paper is None
+    assert exp.row("C3").paper == "C3"
+    assert exp.base == t3.load_table3(CONFIG).base  # the Table 3 sweep's base row
+
+
 def test_a_row_that_moves_against_its_paper_row_is_refused(tmp_path):
     (tmp_path / "micro.toml").write_text(MICRO_RECIPE)
     bad = tmp_path / "bad.toml"

@@ -29,7 +29,7 @@ from torch.utils.hooks import RemovableHandle
 
 from aiayn.analysis import plots
 from aiayn.config import BOS_ID, EOS_ID, DecodeConfig
-from aiayn.data.tokenizer import Tokenizer
+from aiayn.data.tokenizer import Vocabulary, side_tokenizers
 from aiayn.decoding.search import beam_search
 from aiayn.fast.caches import PathKVCache
 from aiayn.files import UsageError
@@ -152,7 +152,7 @@ def record_attention(model: Transformer, src: Tensor, tgt_in: Tensor) -> dict[st
 
 def attention_maps(
     model: Transformer,
-    tokenizer: Tokenizer,
+    tokenizer: Vocabulary,
     text: str,
     decode: DecodeConfig,
     device: str | torch.device = "cpu",
@@ -173,11 +173,12 @@ def attention_maps(
     out_ids = hyp[0][0].tokens
     tgt_ids = [BOS_ID, *out_ids]
     weights = record_attention(model, src, torch.tensor([tgt_ids], device=device))
+    source, target = side_tokenizers(tokenizer)  # one model, or a separate pair
     return AttentionMaps(
         source_ids=src_ids,
         target_ids=tgt_ids,
-        source_tokens=[tokenizer.id_to_piece(i) for i in src_ids],
-        target_tokens=[tokenizer.id_to_piece(i) for i in tgt_ids],
+        source_tokens=[source.id_to_piece(i) for i in src_ids],
+        target_tokens=[target.id_to_piece(i) for i in tgt_ids],
         translation=tokenizer.decode(out_ids),
         weights=weights,
     )

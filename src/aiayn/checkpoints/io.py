@@ -37,7 +37,7 @@ from aiayn.files import atomic_write, sha256_file, write_text_atomic
 
 if TYPE_CHECKING:
     from aiayn.config import Config
-    from aiayn.data.tokenizer import Tokenizer
+    from aiayn.data.tokenizer import Vocabulary
     from aiayn.model import Transformer
 
 logger = logging.getLogger(__name__)
@@ -338,7 +338,7 @@ def load_model(
     device: str | torch.device = "cpu",
     *,
     fast: bool = True,
-) -> tuple[Transformer, Tokenizer, Config]:
+) -> tuple[Transformer, Vocabulary, Config]:
     """The model, its vocabulary and config from one checkpoint, ready to translate.
 
     `fast`: with the speed paths where they are on (`aiayn.speed.accelerate`: the ones
@@ -351,7 +351,7 @@ def load_model(
             state dict that does not fit.
     """
     from aiayn.config import Config, ConfigError
-    from aiayn.data.tokenizer import Tokenizer
+    from aiayn.data.tokenizer import vocabulary_from_bytes
     from aiayn.files import InputError
     from aiayn.model import Transformer
 
@@ -362,7 +362,8 @@ def load_model(
         tok = ckpt.get("tokenizer")
         if not isinstance(tok, Tensor):
             raise CheckpointError("it holds no vocabulary ('tokenizer')")
-        tokenizer = Tokenizer(tok.numpy().tobytes(), origin=f"{path}: 'tokenizer'")
+        # one shared vocabulary, or a source and a target one (prepare --vocab separate)
+        tokenizer = vocabulary_from_bytes(tok.numpy().tobytes(), origin=f"{path}: 'tokenizer'")
         if tokenizer.sha256 != ckpt["vocab_sha256"]:
             raise CheckpointError("its vocabulary does not match its vocab_sha256")
         model = Transformer(cfg.model)
@@ -377,7 +378,7 @@ def load_model(
 def load_ensemble(
     paths: Sequence[str | Path],
     device: str | torch.device = "cpu",
-) -> tuple[list[Transformer], Tokenizer, Config]:
+) -> tuple[list[Transformer], Vocabulary, Config]:
     """The models of several checkpoints that can decode as one (`aiayn.decoding.ensemble`), their
     shared vocabulary, and the first one's config (its decoding options).
 

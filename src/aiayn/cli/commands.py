@@ -140,6 +140,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     given = [f"--{k.replace('_', '-')}" for k in streaming_only if getattr(args, k) is not None]
     if given and not args.streaming:
         raise UsageError(f"{', '.join(given)} need --streaming")
+    if args.vocab == "separate" and args.streaming:
+        raise UsageError("--vocab separate is not implemented with --streaming yet")
     kwargs: dict[str, Any] = {}
     if args.streaming:
         from aiayn.data.stream_prepare import prepare_streaming as prepare  # type: ignore[assignment]
@@ -162,6 +164,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         model_type=args.model_type,
         seed=args.seed,
         **kwargs,
+        **({"vocab": args.vocab} if args.vocab != "shared" else {}),
     )
     for split, info in manifest.get("splits", {}).items():
         print(f"{split}: {info}")
@@ -260,27 +263,43 @@ def cmd_translate(args: argparse.Namespace) -> int:
     """`aiayn translate`: decode a file or stdin; exit 3 if the input had invalid UTF-8."""
     from tqdm import tqdm
 
+    from aiayn.cli.commands_generate import sampling_options, translate_stdin
     from aiayn.decoding.translate import translate_file
 
+    sampling = sampling_options(args)
+    if args.input == "-":
+        args.input = None
     extra = {"decode.beam": 1} if args.greedy else {}
     model, tokenizer, cfg = _load_decoder(args, ("output",), extra)
     # lines done, on stderr, only when it is a terminal (the JSON summary follows it)
     bar = tqdm(unit=" lines", disable=args.no_progress or None, dynamic_ncols=True, file=sys.stderr)
     try:
-        summary = translate_file(
-            model,
-            tokenizer,
-            args.input,
-            args.output,
-            cfg.decode,
-            device=args.device,
-            progress=bar.update,
-            workers=args.workers,
-        )
+        if args.input is None:  # stdin: each translation as soon as it is decoded
+            summary = translate_stdin(model, tokenizer, args, cfg, sampling, bar)
+        else:
+            summary = translate_file(
+                model,
+                tokenizer,
+                args.input,
+                args.output,
+                cfg.decode,
+                device=args.device,
+                progress=bar.update,
+                workers=args.workers,
+                sampling=sampling,
+            )
     finally:
         bar.close()
     print(json.dumps(summary), file=sys.stderr)
     return 3 if summary.get("bad_utf8") else 0
+
+
+def cmd_score(args: argparse.Namespace) -> int:
+    """`aiayn score`: each pair's log-probability under the model (forced decoding)."""
+    from aiayn.cli.commands_generate import score_files
+
+    check_device(args.device)
+    return score_files(args)
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
@@ -494,7 +513,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         print(
             f"{info['preset']}: N={m.N} d_model={m.d_model} d_ff={m.d_ff} h={m.h} d_k={m.d_k} "
             f"d_v={m.d_v} P_drop={m.P_drop} eps_ls={cfg.train.eps_ls} "
-            f"positional={m.positional}"
+            f"positional={m.positional} norm={m.norm}"
         )
         print(f"parameters: {n:,} ({n / 1e6:.1f}M) with a shared vocabulary of {args.vocab_size:,}")
         print(machine.describe())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from aiayn.cli.flags_generate import add_sampling_flags
 from aiayn.cli.formatting import BASE, add_config_args, command_parser, preset_help
 from aiayn.config import DecodeConfig
 
@@ -29,6 +30,8 @@ examples:
   aiayn translate --checkpoint runs/tiny/averaged.pt \\
       --input data/multi30k/test_2016_flickr.en.gz --output runs/tiny/test.de
   echo "A man rides a bike." | aiayn translate --checkpoint runs/a.pt --greedy
+  aiayn translate --checkpoint runs/de-en.pt --input mono.de --output synthetic.en \\
+      --sampling --top-k 10 --seed 1      # back-translation (docs/api.md)
   aiayn translate --checkpoint a.pt b.pt --input test.en --dtype int8 \\
       --workers 2""",
     )
@@ -42,7 +45,13 @@ examples:
         "mean of their next-token probabilities, the first one's decoding "
         "options",
     )
-    p.add_argument("--input", metavar="FILE", help="source text, plain or gzip (default: stdin)")
+    p.add_argument(
+        "--input",
+        metavar="FILE",
+        help="source text, plain or gzip; - or none: stdin, read as lines arrive, each "
+        "translation written (and flushed) as soon as it is decoded, lines that come "
+        "within 20 ms of each other decoded as one batch",
+    )
     p.add_argument("--output", metavar="FILE", help="translations (default: stdout)")
     p.add_argument(
         "--force",
@@ -110,6 +119,7 @@ examples:
         action="store_true",
         help="no progress bar (drawn only when stderr is a terminal)",
     )
+    add_sampling_flags(p)
     return p
 
 

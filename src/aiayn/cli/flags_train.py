@@ -96,9 +96,10 @@ def add_prepare(
     p = command_parser(
         sub,
         "prepare",
-        "learn a shared BPE vocabulary and encode the splits",
+        "learn a shared BPE vocabulary (or one per language) and encode the splits",
         """\
-The vocabulary (sentencepiece BPE) is learned on the training text of both languages.
+The vocabulary (sentencepiece BPE) is learned on the training text of both languages
+(--vocab separate: one per language, each on its own side).
 Writes spm.model, train.pt, valid.pt, test.pt and manifest.json to --out. Sides with
 different line counts are refused before any work. Only training pairs are filtered.
 
@@ -156,7 +157,7 @@ examples:
         "--vocab-size",
         type=int,
         default=RecipeConfig.vocab_size,
-        help="subword pieces in the shared vocabulary",
+        help="subword pieces in the shared vocabulary (with --vocab separate: in each)",
     )
     p.add_argument(
         "--max-len",
@@ -203,6 +204,16 @@ examples:
         "(sentencepiece's unigram LM, a word-piece-like vocabulary as for the paper's "
         "En-Fr; its trainer took ~4x BPE's memory and ~15x its time per sentence here) "
         "(default: bpe)",
+    )
+    p.add_argument(
+        "--vocab",
+        choices=["shared", "separate"],
+        default="shared",
+        help="shared: the paper's one vocabulary learned on both sides, one matrix for "
+        "both embeddings and the pre-softmax projection; separate: a vocabulary for each "
+        "language learned on its own side (for pairs in different scripts), stored as one "
+        "spm.model; models trained on it tie no embedding (checkpoints and exports carry "
+        "both vocabularies)",
     )
     g = p.add_argument_group(
         "streaming (WMT-sized corpora)",
@@ -273,6 +284,11 @@ examples:
   aiayn train data/multi30k-en-de --out runs/p3 \\
       --config configs/multi30k-en-de.toml --set P_drop=0.3 \\
       --set train.dtype=fp32
+  aiayn train data/multi30k-en-de --out runs/pre --preset tiny \\
+      --set model.norm=pre      # pre-LN: x + Sublayer(LN(x)), final LN per stack
+  aiayn train data/multi30k-en-de --out runs/es --config configs/multi30k-en-de.toml \\
+      --set train.valid_bleu_interval_steps=1000 \\
+      --set train.patience=3    # stop after 3 valid BLEUs in a row without a better one
   torchrun --nproc-per-node=8 -m aiayn train data/wmt14 --out runs/base \\
       --device cuda""",
     )

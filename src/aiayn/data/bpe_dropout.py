@@ -10,8 +10,9 @@ from array import array
 import torch
 
 from aiayn import speed
+from aiayn.config import ConfigError
 from aiayn.data.corpus import Corpus
-from aiayn.data.tokenizer import Tokenizer
+from aiayn.data.tokenizer import Tokenizer, Vocabulary
 
 logger = logging.getLogger(__name__)
 
@@ -77,9 +78,14 @@ class BPEDropout:
     keeps its prepared segmentation in that epoch.
     """
 
-    def __init__(self, corpus: Corpus, tok: Tokenizer, p: float, max_len: int) -> None:
+    def __init__(self, corpus: Corpus, tok: Vocabulary, p: float, max_len: int) -> None:
         if not 0.0 < p < 1.0:
             raise ValueError(f"BPE-dropout p must be in (0, 1), got {p}")
+        if not isinstance(tok, Tokenizer):  # one merge table re-segments both sides
+            raise ConfigError(
+                "train.bpe_dropout needs a shared vocabulary; this data was prepared with "
+                "--vocab separate"
+            )
         self.p, self.max_len, self.n = p, max_len, len(corpus)
         self._line_numbers = corpus.line_numbers
         self._merges = tok.bpe_merges()

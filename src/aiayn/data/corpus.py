@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from aiayn.data.pairs import Corpus
-from aiayn.data.tokenizer import Tokenizer
+from aiayn.data.tokenizer import Vocabulary, load_vocabulary
 from aiayn.files import InputError, sha256_file
 
 logger = logging.getLogger(__name__)
@@ -59,10 +59,11 @@ def _verified(data_dir: Path, name: str, expected: str) -> Path:
     return path
 
 
-def load_tokenizer(data_dir: str | Path) -> Tokenizer:
-    """The vocabulary `prepare` wrote, checked against the manifest's hash."""
+def load_tokenizer(data_dir: str | Path) -> Vocabulary:
+    """The vocabulary `prepare` wrote (one shared, or a separate pair), checked against
+    the manifest's hash."""
     entry = load_manifest(data_dir)["spm_model"]
-    return Tokenizer.load(_verified(Path(data_dir), entry["path"], entry["sha256"]))
+    return load_vocabulary(_verified(Path(data_dir), entry["path"], entry["sha256"]))
 
 
 def load_corpus(data_dir: str | Path, split: str) -> Corpus:

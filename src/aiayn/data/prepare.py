@@ -17,6 +17,7 @@ import json
 import logging
 from array import array
 from dataclasses import dataclass, field
+from functools import partial
 from itertools import chain
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,7 @@ from aiayn.data.corpus import (
     load_manifest,
     load_tokenizer,
 )
-from aiayn.data.tokenizer import Tokenizer
+from aiayn.data.tokenizer import PairTokenizer, Tokenizer, Vocabulary, side_tokenizers
 from aiayn.files import InputError, read_lines, sha256_file
 
 logger = logging.getLogger(__name__)
@@ -243,10 +244,11 @@ def warn_unknown(split: str, unk_rate: dict[str, float]) -> None:
 
 
 def _encode_split(
-    split: str, pairs: _Pairs, tok: Tokenizer, opts: dict[str, Any]
+    split: str, pairs: _Pairs, vocab: Vocabulary, opts: dict[str, Any]
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Encode, filter (train only) and report one split: its tensors and manifest entry."""
-    src, tgt = _encode(tok, pairs.src), _encode(tok, pairs.tgt)
+    src_tok, tgt_tok = side_tokenizers(vocab)
+    src, tgt = _encode(src_tok, pairs.src), _encode(tgt_tok, pairs.tgt)
     lines = len(pairs.src) + sum(pairs.dropped.values())
     dropped = dict(pairs.dropped, too_long=0, ratio=0)
     keep = list(range(len(src)))
@@ -271,7 +273,7 @@ def _encode_split(
 
 
 def _write_outputs(
-    out: Path, tok: Tokenizer, encoded: dict[str, tuple[dict[str, torch.Tensor], dict[str, Any]]]
+    out: Path, tok: Vocabulary, encoded: dict[str, tuple[dict[str, torch.Tensor], dict[str, Any]]]
 ) -> dict[str, Any]:
     """Write the vocabulary and the splits atomically; return the splits' manifest entries.
 
@@ -329,6 +331,7 @@ def prepare(
     lowercase: bool = False,
     split_by_script: bool = True,
     model_type: str = "bpe",
+    vocab: str = "shared",
 ) -> dict[str, Any]:
     """Turn raw parallel text into the id tensors, vocabulary and manifest training reads.
 
@@ -351,6 +354,9 @@ def prepare(
         split_by_script: False lets a subword span a bracket and letters (see
             Tokenizer.train): the parsing task's linearized trees need it.
         model_type: "bpe", or "unigram" (see Tokenizer.train_from_sentences).
+        vocab: "shared", the paper's one vocabulary learned on both sides; "separate", a
+            vocabulary of `vocab_size` pieces for each language, learned on its own side
+            (`PairTokenizer`, stored as one spm.model), for pairs in different scripts.
 
     Every line is held in memory: for WMT-sized corpora use
     data.stream_prepare.prepare_streaming (`aiayn prepare --streaming`).
@@ -360,6 +366,10 @@ def prepare(
     """
     if out is None:
         raise TypeError("prepare() needs an output directory `out`")
+    if vocab not in ("shared", "separate"):
+        raise ValueError(f"vocab must be 'shared' or 'separate', got {vocab!r}")
+    if vocab == "separate" and tokenizer is not None:
+        raise ValueError("a given tokenizer is one shared vocabulary: vocab must be 'shared'")
     _check_options(on_empty, on_bad_utf8, max_len, max_len_ratio, max_filtered_fraction)
     prefixes = {"train": trainpref, "valid": validpref, "test": testpref}
     inputs = find_inputs(source_lang, target_lang, prefixes)
@@ -374,7 +384,8 @@ def prepare(
     counts = {split: check_line_counts(*paths) for split, paths in inputs.items()}
     pairs = {split: _read_pairs(*paths, on_empty, on_bad_utf8) for split, paths in inputs.items()}
     trained = tokenizer is None
-    if tokenizer is None:  # one vocabulary for both languages, learned on training text only
+    vocabulary: Vocabulary | None = tokenizer
+    if vocabulary is None:  # one vocabulary for both languages, learned on training text only
         train = pairs["train"]
         if not any(line is not None and line.strip() for line in chain(train.src, train.tgt)):
             src, tgt = inputs["train"]
@@ -382,32 +393,39 @@ def prepare(
                 f"{src} and {tgt}: no training text ({counts['train']} lines, none with a "
                 "word): nothing to learn a vocabulary from"
             )
-        tokenizer = Tokenizer.train_from_sentences(
-            chain(train.src, train.tgt),
-            vocab_size,
-            None,
+        learn = partial(
+            Tokenizer.train_from_sentences,
+            vocab_size=vocab_size,
+            out_path=None,
             seed=seed,
             lowercase=lowercase,
             split_by_script=split_by_script,
             model_type=model_type,
         )
+        if vocab == "separate":  # one per language, each on its own side
+            vocabulary = PairTokenizer(learn(train.src), learn(train.tgt))
+        else:
+            vocabulary = learn(chain(train.src, train.tgt))
     opts = {
         "max_len": max_len,
         "max_len_ratio": max_len_ratio,
         "max_filtered_fraction": max_filtered_fraction,
     }
-    encoded = {split: _encode_split(split, p, tokenizer, opts) for split, p in pairs.items()}
+    assert vocabulary is not None
+    encoded = {split: _encode_split(split, p, vocabulary, opts) for split, p in pairs.items()}
     # Every check has passed: only now is `out` touched, so a rejected input leaves a
     # previous preparation intact.
     out = Path(out)
-    splits = _write_outputs(out, tokenizer, encoded)
+    splits = _write_outputs(out, vocabulary, encoded)
     manifest = {
         "format": FORMAT_VERSION,
         "source_lang": source_lang,
         "target_lang": target_lang,
-        "vocab_size": tokenizer.vocab_size,
+        "vocab_size": vocabulary.vocab_size,
+        # only when separate, so that shared manifests (and their hashes) stay as they were
+        **({"vocab": "separate"} if vocab == "separate" else {}),
         "special_ids": {"pad": PAD_ID, "unk": UNK_ID, "bos": BOS_ID, "eos": EOS_ID},
-        "spm_model": {"path": SPM_FILE, "sha256": tokenizer.sha256, "trained": trained},
+        "spm_model": {"path": SPM_FILE, "sha256": vocabulary.sha256, "trained": trained},
         "settings": dict(
             opts,
             on_empty=on_empty,

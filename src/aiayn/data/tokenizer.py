@@ -5,6 +5,9 @@ The paper encodes WMT14 En-De with BPE and "a shared source-target vocabulary of
 target embedding and the pre-softmax projection into one matrix. We use sentencepiece's BPE
 trainer on raw text (no pre-tokenisation), with the special ids fixed by config.py.
 
+`prepare --vocab separate` learns one model per language instead (`PairTokenizer`), for
+pairs in different scripts; then nothing ties the source embedding to the target's.
+
 Training is deterministic: every sentence is used (no sampling, no shuffling), one thread,
 and the model is written from memory, so the file records no temporary path. Training twice
 on the same text gives byte-identical models, whose sha256 identifies the vocabulary in
@@ -274,3 +277,100 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size}, sha256={self.sha256[:12]})"
+
+
+# --------------------------------------------------------------------------- separate vocabularies
+#: The first bytes of a serialized pair of vocabularies (`PairTokenizer.to_bytes`).
+PAIR_MAGIC = b"aiayn-vocab-pair-1\n"
+
+
+class PairTokenizer:
+    """Separate source and target vocabularies (`prepare --vocab separate`), for pairs in
+    different scripts: a sentencepiece model per language, both of `vocab_size` pieces
+    with aiayn's special ids. It stands where one `Tokenizer` stands: `encode` is the
+    source's (what is translated), `decode` the target's (what comes out), `sha256` the
+    pair's; the two are `source` and `target`. Source and target ids then mean different
+    pieces, so the model ties no source embedding to the target's (`share_embeddings` off;
+    the target embedding stays the pre-softmax projection: `share_target_embeddings`).
+
+    Serialized (`to_bytes`, the file `spm.model` of a prepared directory, a checkpoint's
+    "tokenizer") as PAIR_MAGIC, the source model's length (8 bytes, big-endian), the source
+    model, then the target model.
+    """
+
+    def __init__(self, source: Tokenizer, target: Tokenizer) -> None:
+        if source.vocab_size != target.vocab_size:
+            raise InputError(
+                f"source vocabulary of {source.vocab_size} pieces, target of "
+                f"{target.vocab_size}: separate vocabularies must have one size"
+            )
+        self.source, self.target = source, target
+        src = source.to_bytes()
+        self._bytes = PAIR_MAGIC + len(src).to_bytes(8, "big") + src + target.to_bytes()
+        self._sha256 = hashlib.sha256(self._bytes).hexdigest()
+
+    @classmethod
+    def from_bytes(cls, b: bytes, *, origin: str = "<bytes>") -> PairTokenizer:
+        head = len(PAIR_MAGIC)
+        if not b.startswith(PAIR_MAGIC) or len(b) < head + 8:
+            raise InputError(f"{origin}: not a pair of vocabularies")
+        n = int.from_bytes(b[head : head + 8], "big")
+        src, tgt = b[head + 8 : head + 8 + n], b[head + 8 + n :]
+        return cls(
+            Tokenizer(src, origin=f"{origin} (source)"), Tokenizer(tgt, origin=f"{origin} (target)")
+        )
+
+    def to_bytes(self) -> bytes:
+        return self._bytes
+
+    def save(self, path: str | Path) -> None:
+        with atomic_write(path) as f:
+            f.write(self._bytes)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.source.vocab_size
+
+    @property
+    def sha256(self) -> str:
+        return self._sha256
+
+    def encode(self, text: str) -> list[int]:
+        """Source subword ids (what the encoder reads)."""
+        return self.source.encode(text)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self.source.encode_batch(texts)
+
+    def decode(self, ids: list[int]) -> str:
+        """Target text of target ids (what the decoder wrote)."""
+        return self.target.decode(ids)
+
+    def __repr__(self) -> str:
+        return f"PairTokenizer(vocab_size={self.vocab_size}, sha256={self.sha256[:12]})"
+
+
+#: One vocabulary or a pair: what a prepared directory or a checkpoint holds.
+Vocabulary = Tokenizer | PairTokenizer
+
+
+def vocabulary_from_bytes(b: bytes, *, origin: str = "<bytes>") -> Vocabulary:
+    """A shared `Tokenizer`, or a `PairTokenizer` if `b` is a serialized pair."""
+    if b.startswith(PAIR_MAGIC):
+        return PairTokenizer.from_bytes(b, origin=origin)
+    return Tokenizer(b, origin=origin)
+
+
+def load_vocabulary(path: str | Path) -> Vocabulary:
+    """The vocabulary file `prepare` wrote (spm.model): one model, or a pair."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{path}: no such sentencepiece model")
+    return vocabulary_from_bytes(path.read_bytes(), origin=str(path))
+
+
+def side_tokenizers(vocab: Vocabulary) -> tuple[Tokenizer, Tokenizer]:
+    """(source, target) tokenizers: the one shared model twice, or the pair's two."""
+    if isinstance(vocab, PairTokenizer):
+        return vocab.source, vocab.target
+    return vocab, vocab

@@ -37,6 +37,7 @@ from torch import Tensor
 from aiayn.config import EOS_ID, PAD_ID, UNK_ID, DecodeConfig
 from aiayn.data.batching import decode_batches
 from aiayn.decoding.ensemble import Ensemble
+from aiayn.decoding.sampling import SamplingOptions, sample
 from aiayn.decoding.search import Hypothesis, beam_search, position_limit
 from aiayn.decoding.workers import check_workers, map_batches
 from aiayn.files import atomic_write, read_bytes
@@ -80,15 +81,19 @@ class TranslateStats:
 
 # ------------------------------------------------------------------------- preparing
 def encode_sources(
-    tokenizer: SubwordTokenizer, lines: Sequence[str], max_input_len: int, stats: TranslateStats
+    tokenizer: SubwordTokenizer,
+    lines: Sequence[str],
+    max_input_len: int,
+    stats: TranslateStats,
+    first_lineno: int = 1,
 ) -> list[list[int] | None]:
     """Subword ids + [EOS] per line; None for a blank line (it is not translated).
 
     Lines longer than `max_input_len` subwords are cut to that length, with a warning
-    naming the (1-based) line number.
+    naming the (1-based) line number, `first_lineno` for the first of `lines`.
     """
     sources: list[list[int] | None] = []
-    for lineno, line in enumerate(lines, start=1):
+    for lineno, line in enumerate(lines, start=first_lineno):
         if not line.strip():
             stats.empty += 1
             sources.append(None)
@@ -147,8 +152,11 @@ def translate_nbest(
     device: str | torch.device = "cpu",
     progress: Callable[[int], None] | None = None,
     workers: int = 1,
+    sampling: SamplingOptions | None = None,
+    line_numbers: Sequence[int] | None = None,
 ) -> tuple[list[list[Translation]], TranslateStats]:
-    """Translate lines with beam search; each line gets its `cfg.nbest` best outputs.
+    """Translate lines with beam search; each line gets its `cfg.nbest` best outputs
+    (with `sampling`: its `sampling.n` samples, in the order drawn).
 
     Args:
         model: a `Transformer` on `device`, or an `Ensemble` of them; put in eval mode.
@@ -157,15 +165,26 @@ def translate_nbest(
         progress: called with the number of lines finished after each batch.
         workers: CPU only: decode the batches in this many forked processes of one
             thread each (`aiayn.decoding.workers`), instead of one process with all threads.
+        sampling: draw outputs (`aiayn.decoding.sampling`) instead of searching; line i's
+            samples are seeded by (sampling.seed, line_numbers[i]), so they do not depend
+            on batching.
+        line_numbers: each line's number in its input, 0-based (default 0, 1, ...): the
+            sampling seeds, and the 1-based numbers in warnings about long lines.
     Returns:
         One list of Translation per input line, in input order, best first; and counts.
     Raises:
         ConfigError (a ValueError) naming an invalid option, before any work.
     """
     cfg.validate()
+    if sampling is not None:
+        sampling.validate()
     check_workers(workers, device)
     stats = TranslateStats(lines=len(lines))
-    sources = encode_sources(tokenizer, lines, _input_limit(model, cfg), stats)
+    numbers = list(range(len(lines))) if line_numbers is None else list(line_numbers)
+    if len(numbers) != len(lines):
+        raise ValueError(f"{len(numbers)} line numbers for {len(lines)} lines")
+    first = numbers[0] + 1 if numbers else 1
+    sources = encode_sources(tokenizer, lines, _input_limit(model, cfg), stats, first)
     results: list[list[Translation]] = [[] for _ in lines]
     kept = [i for i, s in enumerate(sources) if s is not None]  # blank lines skip the model
     if progress is not None and stats.empty:
@@ -182,6 +201,9 @@ def translate_nbest(
 
     def decode(b: int) -> list[list[Hypothesis]]:
         src = pad_batch([sources[i] for i in batches[b]], device)  # type: ignore[misc]
+        if sampling is not None:
+            lines_b = [numbers[i] for i in batches[b]]
+            return sample(model, src, sampling, cfg.max_len_a, cfg.max_len_b, cfg.alpha, lines_b)
         return beam_search(model, src, cfg.beam, cfg.alpha, cfg.max_len_a, cfg.max_len_b, cfg.nbest)
 
     def done(b: int, hyps: list[list[Hypothesis]]) -> None:
@@ -267,8 +289,10 @@ def translate_file(
     device: str | torch.device = "cpu",
     progress: Callable[[int], None] | None = None,
     workers: int = 1,
+    sampling: SamplingOptions | None = None,
 ) -> dict[str, Any]:
-    """Translate a file (or stdin) into a file (atomically, F13) or stdout.
+    """Translate a file (or stdin) into a file (atomically, F13) or stdout; with
+    `sampling`, draw `sampling.n` outputs a line (see `translate_nbest`).
 
     Returns:
         Summary: lines, empty, truncated, unk_tokens and unk_lines (source subwords
@@ -287,14 +311,21 @@ def translate_file(
         # the output's temporary file exists before decoding starts: a path that cannot be
         # written fails now, not after minutes of work
         out = None if output_path is None else stack.enter_context(atomic_write(output_path, "w"))
-        nbest, stats = translate_nbest(model, tokenizer, lines, cfg, device, progress, workers)
-        text = "".join(format_output(i, outputs, cfg.nbest) for i, outputs in enumerate(nbest))
+        nbest, stats = translate_nbest(
+            model, tokenizer, lines, cfg, device, progress, workers, sampling
+        )
+        n = cfg.nbest if sampling is None else sampling.n
+        text = "".join(format_output(i, outputs, n) for i, outputs in enumerate(nbest))
         if out is None:
             sys.stdout.write(text)
             sys.stdout.flush()
         else:
             out.write(text)
-    seconds = time.perf_counter() - start
+    return summarize(stats, len(bad), time.perf_counter() - start)
+
+
+def summarize(stats: TranslateStats, bad_utf8: int, seconds: float) -> dict[str, Any]:
+    """translate's JSON summary (see `translate_file`); logs the <unk> count (F8)."""
     if stats.unk_tokens:
         logger.info(
             "%d source subwords in %d lines are <unk> (unseen characters)",
@@ -307,8 +338,8 @@ def translate_file(
         "truncated": stats.truncated,
         "unk_tokens": stats.unk_tokens,
         "unk_lines": stats.unk_lines,
-        "bad_utf8": len(bad),
-        "partial": bool(bad),
+        "bad_utf8": bad_utf8,
+        "partial": bool(bad_utf8),
         "seconds": seconds,
         "sentences_per_s": (stats.lines - stats.empty) / seconds if seconds > 0 else 0.0,
     }

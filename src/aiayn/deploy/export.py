@@ -1,6 +1,7 @@
 """Export an aiayn model to CTranslate2, the inference engine users deploy NMT models with.
 
-The paper's Transformer maps one to one onto CTranslate2's post-norm `TransformerSpec`:
+The paper's Transformer maps one to one onto CTranslate2's post-norm `TransformerSpec` (and
+a `model.norm = "pre"` model onto its pre-norm one, final LayerNorms included):
 fused Q/K/V (self-attention) and K/V (encoder-decoder attention) projections without
 biases, LayerNorm after each residual, the sinusoidal table added to embeddings scaled by
 sqrt(d_model), one matrix for both embeddings and the pre-softmax projection. The export
@@ -59,7 +60,7 @@ from aiayn.model import Transformer, sinusoidal_positions
 
 if TYPE_CHECKING:
     from aiayn.config import Config
-    from aiayn.data.tokenizer import Tokenizer
+    from aiayn.data.tokenizer import Vocabulary
 
 SPECIAL = {PAD_ID: "<blank>", UNK_ID: "<unk>", BOS_ID: "<s>", EOS_ID: "</s>"}
 
@@ -72,6 +73,8 @@ EXPORT_INFO = "aiayn_export.json"
 
 #: The sentencepiece model's name in a CTranslate2 export directory.
 CT2_SPM = "sentencepiece.model"
+#: The target side's model, where the vocabularies are separate (prepare --vocab separate).
+CT2_SPM_TARGET = "sentencepiece.target.model"
 
 #: CTranslate2's quantization types (`ctranslate2.Translator(compute_type=...)` too).
 CT2_QUANTIZATIONS = (
@@ -108,6 +111,7 @@ def to_ctranslate2(
     *,
     add_source_eos: bool = False,
     never_generate: Sequence[int] = (),
+    target_tokens: list[str] | None = None,
 ) -> Path:
     """Write `model` as a CTranslate2 model directory and return its path.
 
@@ -117,6 +121,8 @@ def to_ctranslate2(
     in EOS); False: callers pass it. never_generate: ids given the output bias NEVER_BIAS,
     so that no search ever picks them (`export_ctranslate2` passes PAD and BOS); empty:
     the output layer has no bias and scores are aiayn's log-probabilities exactly.
+    target_tokens: the target side's strings where the vocabularies are separate
+    (default: `tokens`, one shared vocabulary).
     """
     import ctranslate2.specs.transformer_spec as ts
 
@@ -126,7 +132,9 @@ def to_ctranslate2(
     if cfg.h * cfg.d_k != cfg.d_model or cfg.h * cfg.d_v != cfg.d_model:
         raise ValueError("CTranslate2 needs h * d_k == h * d_v == d_model")
     sd = {k: v.detach().float().cpu().numpy() for k, v in model.state_dict().items()}
-    spec = ts.TransformerSpec.from_config((cfg.N, cfg.N), cfg.h, pre_norm=False)
+    # model.norm "pre" is CTranslate2's pre_norm: the same LayerNorms read before each
+    # sublayer, and a final one ending each stack
+    spec = ts.TransformerSpec.from_config((cfg.N, cfg.N), cfg.h, pre_norm=cfg.norm == "pre")
     pe = sinusoidal_positions(cfg.max_positions, cfg.d_model).numpy()
 
     def norm(s: Any, name: str) -> None:
@@ -163,6 +171,9 @@ def to_ctranslate2(
         linear(layer.attention.linear[2], f"{p}.cross_attn.w_o")
         norm(layer.attention.layer_norm, f"{p}.norm2")
         ffn(layer.ffn, f"{p}.ffn", f"{p}.norm3")
+    if cfg.norm == "pre":
+        norm(spec.encoder.layer_norm, "encoder_norm")
+        norm(spec.decoder.layer_norm, "decoder_norm")
     linear(spec.decoder.projection, "generator")
     if never_generate:
         bias = torch.zeros(cfg.vocab_size)
@@ -171,7 +182,7 @@ def to_ctranslate2(
 
     tokens = tokens if tokens is not None else vocabulary(cfg.vocab_size)
     spec.register_source_vocabulary(tokens)
-    spec.register_target_vocabulary(tokens)
+    spec.register_target_vocabulary(target_tokens if target_tokens is not None else tokens)
     spec.config.unk_token, spec.config.bos_token = SPECIAL[UNK_ID], SPECIAL[BOS_ID]
     spec.config.eos_token, spec.config.decoder_start_token = SPECIAL[EOS_ID], SPECIAL[BOS_ID]
     spec.config.add_source_eos = add_source_eos
@@ -188,7 +199,7 @@ def to_ctranslate2(
 
 
 # --------------------------------------------------------------------------- checkpoints
-def load_for_export(checkpoint: str | Path) -> tuple[Transformer, Tokenizer, Config]:
+def load_for_export(checkpoint: str | Path) -> tuple[Transformer, Vocabulary, Config]:
     """The paper's model (without the speed paths), its vocabulary and config, in float32."""
     from aiayn.checkpoints import CheckpointError, load_model
 
@@ -225,9 +236,11 @@ def write_export(out_dir: str | Path, write: Callable[[Path], None]) -> Path:
 
 
 def export_info(
-    engine: str, checkpoint: str | Path, tokenizer: Tokenizer, cfg: Config, **extra: Any
+    engine: str, checkpoint: str | Path, tokenizer: Vocabulary, cfg: Config, **extra: Any
 ) -> dict[str, Any]:
     """The content of `aiayn_export.json`: what was exported and aiayn's decoding settings."""
+    from aiayn.data.tokenizer import PairTokenizer
+
     d = cfg.decode
     return {
         "format": "aiayn-export-1",
@@ -235,6 +248,7 @@ def export_info(
         "checkpoint": Path(checkpoint).name,
         "vocab_sha256": tokenizer.sha256,
         "vocab_size": tokenizer.vocab_size,
+        "vocab": "separate" if isinstance(tokenizer, PairTokenizer) else "shared",
         "special_ids": {"pad": PAD_ID, "unk": UNK_ID, "bos": BOS_ID, "eos": EOS_ID},
         "never_generated": list(NEVER_GENERATED),
         "source": "the sentencepiece pieces of the text, then </s>",
@@ -300,9 +314,15 @@ def export_ctranslate2(
         raise ValueError(
             f"quantization {quantization!r}: CTranslate2 has {', '.join(CT2_QUANTIZATIONS)}"
         )
+    from aiayn.data.tokenizer import PairTokenizer, side_tokenizers
+
     model, tokenizer, cfg = load_for_export(checkpoint)
-    pieces = [tokenizer.id_to_piece(i) for i in range(tokenizer.vocab_size)]
-    tokens = vocabulary(tokenizer.vocab_size, pieces)
+    src_tok, tgt_tok = side_tokenizers(tokenizer)
+    tokens, target_tokens = (
+        vocabulary(t.vocab_size, [t.id_to_piece(i) for i in range(t.vocab_size)])
+        for t in (src_tok, tgt_tok)
+    )
+    separate = isinstance(tokenizer, PairTokenizer)
     out = Path(out_dir)
 
     def write(tmp: Path) -> None:
@@ -313,8 +333,12 @@ def export_ctranslate2(
             quantization,
             add_source_eos=True,
             never_generate=NEVER_GENERATED,
+            target_tokens=target_tokens if separate else None,
         )
-        (tmp / CT2_SPM).write_bytes(tokenizer.to_bytes())
+        # the source's model; separate vocabularies also have the target's, to decode with
+        (tmp / CT2_SPM).write_bytes(src_tok.to_bytes())
+        if separate:
+            (tmp / CT2_SPM_TARGET).write_bytes(tgt_tok.to_bytes())
         info = export_info(
             "ctranslate2",
             checkpoint,
@@ -322,6 +346,7 @@ def export_ctranslate2(
             cfg,
             quantization=quantization or "float32",
             sentencepiece=CT2_SPM,
+            **({"sentencepiece_target": CT2_SPM_TARGET} if separate else {}),
             translate_batch={"beam_size": 1, "min_decoding_length": 0},
         )
         (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
@@ -380,6 +405,17 @@ def read_export_info(model_dir: str | Path) -> dict[str, Any]:
     return info
 
 
+def target_sentencepiece(model_dir: str | Path, info: dict[str, Any]) -> Any:
+    """The target side's sentencepiece model of an export with separate vocabularies
+    (`info["sentencepiece_target"]`), or None where one model serves both sides."""
+    import sentencepiece as spm
+
+    name = info.get("sentencepiece_target")
+    return (
+        None if name is None else spm.SentencePieceProcessor(model_file=str(Path(model_dir) / name))
+    )
+
+
 def ct2_translate(
     model_dir: str | Path,
     lines: Sequence[str],
@@ -411,6 +447,7 @@ def ct2_translate(
     b = d["max_len_b"] if max_len_b is None else max_len_b
     penalty = d["alpha"] if alpha is None else alpha
     sp = spm.SentencePieceProcessor(model_file=str(Path(model_dir) / info["sentencepiece"]))
+    sp_out = target_sentencepiece(model_dir, info) or sp
     if translator is None:
         translator = ctranslate2.Translator(str(model_dir), device="cpu", compute_type="float32")
     limit = min(d["max_input_len"], info["max_positions"] - 1)  # as aiayn truncates
@@ -431,5 +468,5 @@ def ct2_translate(
             },
         )
         for r, result in zip(rows, results, strict=True):
-            out[kept[r]] = str(sp.decode(result.hypotheses[0][: caps[r]]))
+            out[kept[r]] = str(sp_out.decode(result.hypotheses[0][: caps[r]]))
     return out

@@ -71,7 +71,7 @@ from aiayn.model import Transformer
 
 if TYPE_CHECKING:
     from aiayn.config import Config
-    from aiayn.data.tokenizer import Tokenizer
+    from aiayn.data.tokenizer import Vocabulary
 
 #: Marian's LayerNorm epsilon (`torch.nn.LayerNorm`'s default, fixed in its layers).
 MARIAN_LAYER_NORM_EPS = 1e-5
@@ -97,6 +97,11 @@ def marian_config(model: Transformer, decode: Any = None) -> Any:
         raise ValueError("Marian export needs sinusoidal positions (learned: Table 3 E)")
     if cfg.h * cfg.d_k != cfg.d_model or cfg.h * cfg.d_v != cfg.d_model:
         raise ValueError("Marian needs h * d_k == h * d_v == d_model")
+    if cfg.norm != "post":
+        raise ValueError(
+            f"Marian export needs model.norm = 'post': this model is {cfg.norm}-norm, and "
+            "Hugging Face's MarianMT has post-norm layers only; --to ctranslate2 takes it"
+        )
     eps = {m.eps for m in model.modules() if isinstance(m, torch.nn.LayerNorm)}
     if eps != {MARIAN_LAYER_NORM_EPS}:
         raise ValueError(
@@ -119,7 +124,7 @@ def marian_config(model: Transformer, decode: Any = None) -> Any:
         activation_dropout=cfg.relu_dropout,
         scale_embedding=True,
         share_encoder_decoder_embeddings=cfg.share_embeddings,
-        tie_word_embeddings=cfg.share_embeddings,
+        tie_word_embeddings=cfg.share_embeddings or cfg.share_target_embeddings,
         pad_token_id=PAD_ID,
         eos_token_id=EOS_ID,
         bos_token_id=BOS_ID,
@@ -230,28 +235,38 @@ def generation_config(decode: Any) -> Any:
     )
 
 
-def write_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
-    """source.spm, target.spm, vocab.json (piece -> aiayn id) and tokenizer_config.json."""
+def write_tokenizer(tokenizer: Vocabulary, out: Path) -> None:
+    """source.spm, target.spm, vocab.json (piece -> aiayn id) and tokenizer_config.json;
+    with separate vocabularies (`PairTokenizer`) each side's model, and the target's
+    pieces in target_vocab.json (MarianTokenizer's `separate_vocabs`)."""
     from transformers import MarianTokenizer
 
-    for name in ("source.spm", "target.spm"):
-        (out / name).write_bytes(tokenizer.to_bytes())
-    vocab = {tokenizer.id_to_piece(i): i for i in range(tokenizer.vocab_size)}
-    if len(vocab) != tokenizer.vocab_size:
-        raise ValueError("the vocabulary has duplicate pieces")
-    for token, i in (("<pad>", PAD_ID), ("<unk>", UNK_ID), ("</s>", EOS_ID)):
-        if vocab.get(token) != i:
-            raise ValueError(f"{token} is not id {i} in the vocabulary")
-    (out / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
-    tok = MarianTokenizer(
+    from aiayn.data.tokenizer import PairTokenizer, side_tokenizers
+
+    sides = dict(zip(("source", "target"), side_tokenizers(tokenizer), strict=True))
+    separate = isinstance(tokenizer, PairTokenizer)
+    for side, tok in sides.items():
+        (out / f"{side}.spm").write_bytes(tok.to_bytes())
+        vocab = {tok.id_to_piece(i): i for i in range(tok.vocab_size)}
+        if len(vocab) != tok.vocab_size:
+            raise ValueError(f"the {side} vocabulary has duplicate pieces")
+        for token, i in (("<pad>", PAD_ID), ("<unk>", UNK_ID), ("</s>", EOS_ID)):
+            if vocab.get(token) != i:
+                raise ValueError(f"{token} is not id {i} in the {side} vocabulary")
+        name = "vocab.json" if side == "source" else "target_vocab.json"
+        if side == "source" or separate:
+            (out / name).write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+    hf_tok = MarianTokenizer(
         str(out / "source.spm"),
         str(out / "target.spm"),
         str(out / "vocab.json"),
+        target_vocab_file=str(out / "target_vocab.json") if separate else None,
+        separate_vocabs=separate,
         unk_token="<unk>",
         eos_token="</s>",
         pad_token="<pad>",
     )
-    tok.save_pretrained(str(out))
+    hf_tok.save_pretrained(str(out))
 
 
 MARIAN_README = """\
@@ -288,7 +303,7 @@ settings.
 
 
 def to_marian(
-    model: Transformer, tokenizer: Tokenizer, out_dir: str | Path, cfg: Config, checkpoint: str
+    model: Transformer, tokenizer: Vocabulary, out_dir: str | Path, cfg: Config, checkpoint: str
 ) -> Path:
     """Write `model` and `tokenizer` as a MarianMT directory (see the module docstring)."""
     hf = to_marian_model(model)
@@ -312,6 +327,7 @@ def to_marian(
             tokenizer,
             cfg,
             sentencepiece="source.spm",
+            sentencepiece_target="target.spm",
             generate={"num_beams": 1},  # aiayn's greedy search; the default is its beam
         )
         (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
@@ -384,7 +400,9 @@ def marian_translate(
     penalty = d["alpha"] if alpha is None else alpha
     tok = tokenizer if tokenizer is not None else MarianTokenizer.from_pretrained(str(model_dir))
     hf = model if model is not None else MarianMTModel.from_pretrained(str(model_dir)).eval()
-    sp = spm.SentencePieceProcessor(model_file=str(Path(model_dir) / info["sentencepiece"]))
+    # aiayn decodes the output with the target side's model (the source's, where shared)
+    target = info.get("sentencepiece_target", info["sentencepiece"])
+    sp = spm.SentencePieceProcessor(model_file=str(Path(model_dir) / target))
     limit = min(d["max_input_len"], info["max_positions"] - 1)  # as aiayn truncates
     sources = [tok(line)["input_ids"][:-1][:limit] + [EOS_ID] for line in lines]
     kept = [i for i, line in enumerate(lines) if line.strip()]

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from aiayn.config import DecodeConfig
+from aiayn.decoding.sampling import SamplingOptions
 from aiayn.decoding.translate import Decoder, Translation, _input_limit, translate_nbest
 
 logger = logging.getLogger(__name__)
@@ -70,13 +71,18 @@ class ServerLimits:
             raise ValueError("batch_wait_ms, max_input_tokens and retry_after_s must be >= 0")
 
 
+#: The request fields that only sampling takes.
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed")
+
+
 @dataclass(frozen=True)
 class Options:
     """The decoding options a request may choose; requests batch only with equal options."""
 
     beam: int
     alpha: float
-    nbest: int
+    nbest: int  # outputs per text: the n best, or with `sampling` the samples
+    sampling: SamplingOptions | None = None  # draw instead of searching
 
 
 # ------------------------------------------------------------------------- engines
@@ -92,7 +98,9 @@ class Backend(Protocol):
 
     def count_tokens(self, text: str) -> int: ...
 
-    def translate(self, texts: list[str], options: Options) -> list[list[Translation]]: ...
+    def translate(
+        self, texts: list[str], options: Options, line_numbers: list[int] | None = None
+    ) -> list[list[Translation]]: ...
 
 
 class AiaynBackend:
@@ -113,16 +121,28 @@ class AiaynBackend:
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer.encode(text))
 
-    def translate(self, texts: list[str], options: Options) -> list[list[Translation]]:
+    def translate(
+        self, texts: list[str], options: Options, line_numbers: list[int] | None = None
+    ) -> list[list[Translation]]:
         # the batcher sized the batch: one decoding batch for all of it, whatever its padding
         cfg = replace(
             self.decode,
             beam=options.beam,
             alpha=options.alpha,
-            nbest=options.nbest,
+            nbest=1 if options.sampling is not None else options.nbest,
             max_tokens=ONE_BATCH,
         )
-        results, _ = translate_nbest(self.model, self.tokenizer, texts, cfg, self.device)
+        # with sampling, each text is seeded by its index in its own request (the batcher
+        # joins requests with equal options): a request samples alike however it is batched
+        results, _ = translate_nbest(
+            self.model,
+            self.tokenizer,
+            texts,
+            cfg,
+            self.device,
+            sampling=options.sampling,
+            line_numbers=line_numbers,
+        )
         return results
 
 
@@ -145,7 +165,7 @@ class CTranslate2Backend:
         import ctranslate2
         import sentencepiece as spm
 
-        from aiayn.deploy.export import read_export_info
+        from aiayn.deploy.export import read_export_info, target_sentencepiece
 
         info = read_export_info(model_dir)
         known = {f.name for f in dataclasses.fields(DecodeConfig)}
@@ -153,6 +173,7 @@ class CTranslate2Backend:
         self.sp = spm.SentencePieceProcessor(
             model_file=str(Path(model_dir) / info["sentencepiece"])
         )
+        self.sp_out = target_sentencepiece(model_dir, info) or self.sp  # separate vocabularies
         self.translator = ctranslate2.Translator(
             str(model_dir),
             device="cpu",
@@ -166,8 +187,13 @@ class CTranslate2Backend:
     def count_tokens(self, text: str) -> int:
         return len(self.sp.encode(text))
 
-    def translate(self, texts: list[str], options: Options) -> list[list[Translation]]:
+    def translate(
+        self, texts: list[str], options: Options, line_numbers: list[int] | None = None
+    ) -> list[list[Translation]]:
         from aiayn.deploy.export import length_caps
+
+        if options.sampling is not None:
+            raise ValueError("the CTranslate2 backend does beam search only, not sampling")
 
         sources = [self.sp.encode(t, out_type=str) for t in texts]  # the model adds </s>
         d = self.decode
@@ -185,7 +211,7 @@ class CTranslate2Backend:
         # sentence's own cap (for greedy search, exactly aiayn's output)
         return [
             [
-                Translation(str(self.sp.decode(tokens[:cap])), float(score))
+                Translation(str(self.sp_out.decode(tokens[:cap])), float(score))
                 for tokens, score in zip(r.hypotheses, r.scores, strict=True)
             ]
             for r, cap in zip(results, caps, strict=True)
@@ -221,9 +247,11 @@ def _one_thread() -> None:
     torch.set_num_threads(1)
 
 
-def _decode_forked(texts: list[str], options: Options) -> list[list[Translation]]:
+def _decode_forked(
+    texts: list[str], options: Options, line_numbers: list[int] | None = None
+) -> list[list[Translation]]:
     assert _forked_backend is not None, "decoding process without a backend"
-    return _forked_backend.translate(texts, options)
+    return _forked_backend.translate(texts, options, line_numbers)
 
 
 class OverloadedError(Exception):
@@ -376,7 +404,14 @@ class Batcher:
             self.busy += 1
             try:
                 decode = _decode_forked if self.processes else self.backend.translate
-                results = await loop.run_in_executor(self._pool, decode, texts, batch[0].options)
+                options = batch[0].options
+                if options.sampling is None:
+                    results = await loop.run_in_executor(self._pool, decode, texts, options)
+                else:  # each text's index in its own request seeds its samples
+                    numbers = [i for job in batch for i in range(len(job.texts))]
+                    results = await loop.run_in_executor(
+                        self._pool, decode, texts, options, numbers
+                    )
             except Exception as e:  # a bug or a system fault: each request gets a 500
                 logger.exception("decoding a batch of %d sentences failed", len(texts))
                 for job in batch:
@@ -479,7 +514,24 @@ def _request_model() -> Any:
         alpha: float | None = Field(
             None, ge=0, le=10, description="length penalty (default: the model's)"
         )
-        nbest: int | None = Field(None, ge=1, description="translations per text, <= beam")
+        nbest: int | None = Field(
+            None, ge=1, description="translations per text: <= beam, or with sampling samples"
+        )
+        sampling: bool = Field(
+            False, description="draw each output from the model instead of beam search"
+        )
+        temperature: float | None = Field(
+            None, gt=0, le=100, description="sampling: divide the logits by this (default 1)"
+        )
+        top_k: int | None = Field(
+            None, ge=0, description="sampling: among the k most probable tokens (default 0: all)"
+        )
+        top_p: float | None = Field(
+            None, gt=0, le=1, description="sampling: nucleus, the head of mass p (default 1: all)"
+        )
+        seed: int | None = Field(
+            None, ge=0, description="sampling: text i's samples are seeded by (seed, i)"
+        )
 
     return TranslateRequest
 
@@ -577,19 +629,41 @@ def create_app(
         for i, t in enumerate(texts):
             if not t.strip():
                 raise HTTPError(422, f"text[{i}]: empty or only whitespace")
+        alpha = req.alpha if req.alpha is not None else defaults.alpha
+        nbest = req.nbest if req.nbest is not None else 1
+        if req.sampling:
+            return texts, sampling_options(req, alpha, nbest)
+        given = [f for f in SAMPLING_FIELDS if getattr(req, f) is not None]
+        if given:
+            raise HTTPError(422, f'{", ".join(given)}: for sampling; add "sampling": true')
         beam = req.beam if req.beam is not None else defaults.beam
         if beam > limits.max_beam:
             raise HTTPError(422, f"beam: {beam} is over this server's limit of {limits.max_beam}")
-        nbest = req.nbest if req.nbest is not None else 1
         if nbest > beam:
             raise HTTPError(422, f"nbest: {nbest} is over the beam size {beam}")
-        alpha = req.alpha if req.alpha is not None else defaults.alpha
         return texts, Options(beam, float(alpha), nbest)
+
+    def sampling_options(req: Any, alpha: float, n: int) -> Options:
+        if req.beam is not None:
+            raise HTTPError(422, "beam: sampling draws outputs; beam is for beam search")
+        if n > limits.max_beam:  # the same work bound as a beam
+            raise HTTPError(
+                422, f"nbest: {n} samples is over this server's limit of {limits.max_beam}"
+            )
+        opts = SamplingOptions(
+            n=n,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_k=req.top_k or 0,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            seed=req.seed or 0,
+        )
+        return Options(1, float(alpha), n, opts)
 
     async def translate(request):  # type: ignore[no-untyped-def]  # annotated below
         """Each text's best translation (`text`, `score`: the length-normalised
         log-probability), and with nbest > 1 the list `nbest`; equal to `aiayn translate`'s
-        output for the same sentence and options."""
+        output for the same sentence and options. With `sampling`: nbest samples a text
+        (`text` is the first), text i of the request seeded by (seed, i)."""
         start = time.perf_counter()
         try:
             body = await _read_body(request, limits.max_body_bytes)
@@ -623,17 +697,19 @@ def create_app(
         for hyps in results:
             best = hyps[0] if hyps else Translation("", 0.0)
             item: dict[str, Any] = {"text": best.text, "score": best.score}
-            if options.nbest > 1:
+            if options.nbest > 1:  # samples: in the order drawn
                 item["nbest"] = [{"text": h.text, "score": h.score} for h in hyps]
             out.append(item)
-        return JSONResponse(
-            {
-                "translations": out,
-                "beam": options.beam,
-                "alpha": options.alpha,
-                "model": backend.name,
-            }
-        )
+        answer: dict[str, Any] = {
+            "translations": out,
+            "beam": options.beam,
+            "alpha": options.alpha,
+            "model": backend.name,
+        }
+        if options.sampling is not None:  # what was drawn with: enough to draw it again
+            answer["sampling"] = dataclasses.asdict(options.sampling)
+            del answer["beam"]
+        return JSONResponse(answer)
 
     # this module's annotations are strings (PEP 563) that FastAPI resolves in the module's
     # globals, where its own classes are not imported (it is an optional dependency)

@@ -139,6 +139,9 @@ class FastFeedForward(paper.PositionwiseFeedForward):
 
 class FastEncoderLayer(paper.EncoderLayer):
     def forward(self, x: Tensor, src_mask: Tensor, packing: Packing | None = None) -> Tensor:
+        if self.pre_norm:
+            x = x + self.dropout(self.self_attn(self.norm1(x), mask=src_mask, packing=packing))
+            return x + self.dropout(self.ffn(self.norm2(x)))
         x = self.norm1(x + self.dropout(self.self_attn(x, mask=src_mask, packing=packing)))
         return self.norm2(x + self.dropout(self.ffn(x)))
 
@@ -155,6 +158,16 @@ class FastDecoderLayer(paper.DecoderLayer):
     ) -> Tensor:
         cache = state.self_cache if state is not None else None
         kv = state.memory_kv if state is not None else None
+        if self.pre_norm:
+            h = self.norm1(y)
+            y = y + self.dropout(self.self_attn(h, causal=True, cache=cache, packing=packing))
+            h = self.norm2(y)
+            y = y + self.dropout(
+                self.cross_attn(
+                    h, memory, src_mask, kv=kv, packing=packing, memory_packing=memory_packing
+                )
+            )
+            return y + self.dropout(self.ffn(self.norm3(y)))
         y = self.norm1(
             y + self.dropout(self.self_attn(y, causal=True, cache=cache, packing=packing))
         )
@@ -222,7 +235,7 @@ class FastTransformer(paper.Transformer):
         x = self.src_embed(src, packing=packing)
         for layer in self.encoder:
             x = layer(x, mask, packing)
-        return x
+        return self.end_norm(x, self.encoder_norm)
 
     def decode(
         self,
@@ -239,6 +252,7 @@ class FastTransformer(paper.Transformer):
         y = self.tgt_embed(tgt_in, packing=packing)
         for layer in self.decoder:
             y = layer(y, memory, src_mask, packing=packing, memory_packing=memory_packing)
+        y = self.end_norm(y, self.decoder_norm)
         if not features_only:
             y = self.generator(y)
         return y if packing is None else packing.unpack(y)
@@ -274,7 +288,7 @@ class FastTransformer(paper.Transformer):
         y = self.tgt_embed(tokens, offset=states[0].self_cache.length)
         for layer, state in zip(self.decoder, states, strict=True):
             y = layer(y, None, src_mask, state)
-        return y[:, -1]
+        return self.end_norm(y[:, -1], self.decoder_norm)  # pre-LN's final norm; else as is
 
 
 #: paper module -> its fast subclass

@@ -13,7 +13,7 @@ import torch
 
 from aiayn import checkpoints as ckpt_lib
 from aiayn.config import Config
-from aiayn.data.tokenizer import Tokenizer
+from aiayn.data.tokenizer import Vocabulary
 from aiayn.model import Transformer
 from aiayn.training.distributed import DistContext
 from aiayn.training.resume import check_resume_compatible, reshard
@@ -40,7 +40,7 @@ class TrainerPersistence:
     _pending_log: list[dict[str, Any]]
     state: TrainState
     step_hook: StepHook
-    tokenizer: Tokenizer
+    tokenizer: Vocabulary
     data_sha256: str
     resumed_from: Path | None
 

@@ -28,7 +28,7 @@ from aiayn.config import ONEDNN_PRIMITIVE_CACHE_CAPACITY, Config
 from aiayn.data.batching import Batch, Prefetch
 from aiayn.data.bpe_dropout import BPEDropout
 from aiayn.data.corpus import Corpus, has_split, load_corpus, load_manifest, split_sha256
-from aiayn.data.tokenizer import Tokenizer
+from aiayn.data.tokenizer import PairTokenizer, load_vocabulary
 from aiayn.files import write_text_atomic
 from aiayn.model import Transformer, count_parameters
 from aiayn.training.distributed import init_from_env, shutdown
@@ -55,6 +55,7 @@ from aiayn.training.watch import (
     bleu_due,
     bleu_subset,
     is_better,
+    patience_metric,
     valid_bleu,
 )
 
@@ -99,10 +100,13 @@ class Trainer(TrainerPersistence, TrainerGuards):
         self.device = torch.device(device)
         self.hooks = hooks or Hooks()
         self.manifest = load_manifest(self.data_dir)
-        self.tokenizer = Tokenizer.load(self.data_dir / "spm.model")
+        self.tokenizer = load_vocabulary(self.data_dir / "spm.model")
         from dataclasses import replace
 
-        self.cfg = replace(cfg, model=replace(cfg.model, vocab_size=self.tokenizer.vocab_size))
+        model = replace(cfg.model, vocab_size=self.tokenizer.vocab_size)
+        if isinstance(self.tokenizer, PairTokenizer):  # ids mean other pieces on each side
+            model = replace(model, share_embeddings=False, share_target_embeddings=True)
+        self.cfg = replace(cfg, model=model)
         self.cfg.validate()
         self.train_data = load_corpus(self.data_dir, "train")
         t = self.cfg.train
@@ -461,20 +465,27 @@ class Trainer(TrainerPersistence, TrainerGuards):
         return True
 
     def _validate_and_check_patience(self, final: bool = False) -> bool:
-        """Validate; True when `patience` validations in a row brought no better NLL."""
-        best = self.state.best_valid_nll
+        """Validate; True when `patience` validations in a row brought no better value of
+        the watched metric (`watch.patience_metric`: train.best_metric's, valid BLEU where
+        it is measured, else validation NLL). A validation that did not measure it (no
+        BLEU at this step) neither counts nor resets the count."""
+        s = self.state
+        watched = patience_metric(self.cfg.train)
+        before = (s.best_checkpoint_metric, s.best_checkpoint_value, s.best_valid_nll)
         metrics = self._validate(final)
-        if not metrics:
+        if not metrics or watched not in metrics:
             return False
-        if metrics["valid_nll"] < best:
-            self.state.valid_without_improvement = 0
-        else:
-            self.state.valid_without_improvement += 1
+        if watched == "valid_nll":
+            improved = metrics["valid_nll"] < before[2]
+        else:  # the best checkpoint's metric: what _validate just compared it with
+            improved = is_better(watched, metrics[watched], before[0], before[1])
+        s.valid_without_improvement = 0 if improved else s.valid_without_improvement + 1
         patience = self.cfg.train.patience
-        if patience and self.state.valid_without_improvement >= patience:
+        if patience and s.valid_without_improvement >= patience:
             log.warning(
-                "no better validation NLL in %d validations (patience %d): stopping",
-                self.state.valid_without_improvement,
+                "no better %s in %d validations (patience %d): stopping",
+                watched,
+                s.valid_without_improvement,
                 patience,
             )
             return True

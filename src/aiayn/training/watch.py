@@ -32,7 +32,7 @@ import torch
 
 from aiayn.config import EOS_ID, DecodeConfig, TrainConfig
 from aiayn.data.corpus import Corpus
-from aiayn.data.tokenizer import Tokenizer
+from aiayn.data.tokenizer import Vocabulary
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class BleuSubset:
 
 def bleu_subset(
     corpus: Corpus,
-    tokenizer: Tokenizer,
+    tokenizer: Vocabulary,
     manifest: dict[str, Any],
     n: int,
     max_input_len: int,
@@ -142,7 +142,7 @@ def decode_ids(
 def valid_bleu(
     model: Any,
     subset: BleuSubset,
-    tokenizer: Tokenizer,
+    tokenizer: Vocabulary,
     beam: int,
     cfg: DecodeConfig,
     device: torch.device,
@@ -174,6 +174,13 @@ def best_metric_name(t: TrainConfig) -> str | None:
     if t.best_metric == "bleu" or (t.best_metric == "auto" and t.valid_bleu_interval_steps > 0):
         return "valid_bleu"
     return None
+
+
+def patience_metric(t: TrainConfig) -> str:
+    """The record key train.patience watches: train.best_metric's ("valid_bleu" where BLEU
+    is measured, "valid_ppl"), else "valid_nll" (best_metric "none", or "auto" without
+    valid BLEU)."""
+    return best_metric_name(t) or "valid_nll"
 
 
 def is_better(metric: str, value: float, best_metric: str, best_value: float) -> bool:
