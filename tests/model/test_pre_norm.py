@@ -123,6 +123,27 @@ def test_the_fast_model_and_incremental_decoding_follow() -> None:
             assert torch.allclose(step, full, atol=1e-5)
 
 
+def test_the_int8_beam_steps_hidden_state_is_after_the_final_norm() -> None:
+    """An int8 output layer finds the beam's best tokens from `decode_hidden`
+    (`registry.step_topk`): for pre-LN that must be the decoder's normed output, so that the
+    output layer applied to it is `decode_step`."""
+    torch.manual_seed(1)
+    paper = Transformer(CFG)
+    _randomise_norms(paper)
+    fast = accelerate(Transformer(CFG))
+    fast.load_state_dict(paper.state_dict())
+    fast.eval()
+    src = random_src([5, 2, 7])
+    tokens = torch.tensor([[BOS_ID, 7, 8, 9], [BOS_ID, 9, 4, 6], [BOS_ID, 4, 5, 3]])
+    with torch.no_grad():
+        memory, mask = fast.encode(src)
+        whole, hidden = fast.init_state(memory, 8), fast.init_state(memory, 8)
+        for t in range(4):
+            step = fast.decode_step(tokens[:, t : t + 1], mask, whole)
+            via_hidden = fast.generator(fast.decode_hidden(tokens[:, t : t + 1], mask, hidden))
+            assert torch.allclose(step, via_hidden, atol=1e-5)
+
+
 def test_checkpoints_record_it(tmp_path: Path) -> None:
     ckpt = random_checkpoint(tmp_path / "pre.pt", norm="pre")
     model, _, cfg = load_model(ckpt)
