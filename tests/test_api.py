@@ -4,6 +4,8 @@ line gives for the same checkpoint and options."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -35,6 +37,20 @@ def test_the_public_names_and_nothing_else() -> None:
     }
     with pytest.raises(AttributeError, match="no attribute 'translate_lines'"):
         aiayn.translate_lines  # noqa: B018
+
+
+def test_the_library_runs_with_the_speed_paths_on() -> None:
+    """A program that only uses the public API gets what the command line gets: the speed
+    paths registered (`aiayn.speed`), without importing `aiayn.fast` itself; a bare
+    `import aiayn` stays light (no torch)."""
+    code = (
+        "import sys, aiayn; light = 'torch' not in sys.modules; aiayn.train; "
+        "from aiayn import speed; print(light, sorted(speed.IMPLEMENTATIONS) != [])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
+    assert out.split() == ["True", "True"]
 
 
 def test_translate_equals_the_command(ckpt: Path, tmp_path: Path) -> None:

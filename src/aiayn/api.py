@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, overload
 
+import aiayn.fast  # noqa: F401  # the speed paths on for the library's users (aiayn.speed)
 from aiayn.config import Config, DecodeConfig, apply_overrides, get_preset, load_experiment
 from aiayn.decoding.sampling import SamplingOptions
 from aiayn.decoding.score import PairScore

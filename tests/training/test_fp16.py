@@ -23,7 +23,7 @@ from aiayn.config import ConfigError
 from aiayn.training import precision
 from aiayn.training import trainer as train_mod
 from aiayn.training.guards import MAX_CONSECUTIVE_NONFINITE
-from aiayn.training.persistence import SCALER_KEY
+from aiayn.training.persistence import SCALER_KEY, Checkpoints
 from aiayn.training.state import StepHook, TrainingError
 from aiayn.training.trainer import Trainer
 from helpers import SMALL_TRAINING, step_losses, tiny_config
@@ -241,7 +241,7 @@ def test_resume_just_after_an_overflow_is_bitwise_the_uninterrupted_run(
     _bitwise(_final(tmp_path / "full"), _final(resumed))
     assert len(events(resumed, "overflow_skipped")) == 2
     # without the scaler's state the resumed run's scaler is another one
-    monkeypatch.setattr(Trainer, "_load_scaler", lambda self, saved, path: None)
+    monkeypatch.setattr(Checkpoints, "load_scaler", lambda self, saved, path: None)
     forgetful = stopped_and_resumed("forgetful")
     assert _final(forgetful)[SCALER_KEY] != _final(tmp_path / "full")[SCALER_KEY]
 

@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from aiayn.training.trainer import Trainer, train
+from aiayn.training.state import TrainState
+from aiayn.training.trainer import train
+from aiayn.training.validation import Validator
 from aiayn.training.watch import patience_metric
 from helpers import SMALL_TRAINING, tiny_config
 
@@ -22,14 +24,14 @@ def cfg(**over: object):  # type: ignore[no-untyped-def]
 
 
 def scripted_bleu(monkeypatch: pytest.MonkeyPatch, measured: list[int]) -> None:
-    """Trainer._valid_bleu returns BLEU[step] instead of decoding (what is tested is what
-    the trainer does with the number)."""
+    """The trainer's validator returns BLEU[step] instead of decoding (what is tested is
+    what the trainer does with the number)."""
 
-    def fake(self: Trainer) -> dict[str, float]:
-        measured.append(self.state.step)
-        return {"valid_bleu": BLEU[self.state.step]}
+    def fake(self: Validator, state: TrainState) -> dict[str, float]:
+        measured.append(state.step)
+        return {"valid_bleu": BLEU[state.step]}
 
-    monkeypatch.setattr(Trainer, "_valid_bleu", fake)
+    monkeypatch.setattr(Validator, "_valid_bleu", fake)
 
 
 def test_patience_watches_valid_bleu_counting_only_the_validations_with_bleu(

@@ -26,6 +26,7 @@ from aiayn.config import apply_overrides, get_preset
 from aiayn.data.prepare import prepare
 from aiayn.files import read_lines, sha256_file
 from aiayn.training import trainer as train_mod
+from aiayn.training.persistence import Checkpoints
 from aiayn.training.trainer import Hooks, Trainer, train
 from helpers import SMALL_TRAINING, step_losses, tiny_config
 
@@ -251,13 +252,15 @@ def test_resume_has_teeth_and_replays_the_data_order(
     assert [s for s in range(21, 41) if losses[s] != base[s]] != []
     assert all(losses[s] == base[s] for s in range(1, 21))
     # A2: the data position not restored -> the epoch starts again
-    real = Trainer._resume
+    real = Checkpoints.resume
 
-    def forget_position(self: Trainer, *a: Any) -> None:
-        real(self, *a)
-        self.state.batch_in_epoch = 0
+    def forget_position(self: Checkpoints, *a: Any) -> Any:
+        found = real(self, *a)
+        if found is not None:
+            found[0].batch_in_epoch = 0
+        return found
 
-    ids, losses = resumed_run("no_pos", lambda m: m.setattr(Trainer, "_resume", forget_position))
+    ids, losses = resumed_run("no_pos", lambda m: m.setattr(Checkpoints, "resume", forget_position))
     assert ids != full_ids and losses[21] != base[21]
 
 

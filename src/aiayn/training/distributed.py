@@ -16,6 +16,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 #: Seconds a collective may wait for the other ranks before the job fails (default 30 min).
 TIMEOUT_ENV = "AIAYN_DIST_TIMEOUT_S"
@@ -98,6 +99,19 @@ def init_from_env(device: str) -> tuple[DistContext, str]:
             world_size=world_size,
         )
     return DistContext(rank, world_size, local_rank), device
+
+
+def data_parallel(model: nn.Module, ctx: DistContext, device: torch.device) -> nn.Module:
+    """What the forward pass goes through: under torchrun, DDP around `model` (it averages
+    the gradients over the ranks); alone, the model itself. Checkpoints hold the plain
+    model either way, so they do not depend on the world size."""
+    if not ctx.active:
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None
+    )
 
 
 def shutdown() -> None:

@@ -3,8 +3,8 @@ and then diagnosed, out-of-memory batches skipped, a loss that diverges rolled b
 largest batches tried before training, signals that save and stop, and a budget that the
 run's pace will not meet said early.
 
-`TrainerGuards` holds the guards that act on a `Trainer`'s state; the trainer's loop
-decides when each applies.
+`Guards` is one object the `Trainer` holds: the trainer's loop calls it where a guard
+applies, with the counters (`TrainState`) it acts on.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -30,12 +30,11 @@ from aiayn.data.corpus import Corpus
 from aiayn.model import Transformer
 from aiayn.training.distributed import DistContext
 from aiayn.training.epochs import epoch_order
+from aiayn.training.persistence import Checkpoints
 from aiayn.training.precision import MIN_LOSS_SCALE
-from aiayn.training.state import StepHook, TrainingError, TrainState
+from aiayn.training.state import TrainingError, TrainState
 from aiayn.training.validation import autocast
-
-if TYPE_CHECKING:
-    pass
+from aiayn.training.watch import TrainLog
 
 log = logging.getLogger(__name__)
 
@@ -199,59 +198,46 @@ class LoopState:
     window: list[float] = field(default_factory=lambda: [0.0, 0.0, 0])  # since the last log
 
 
-class TrainerGuards:
-    """The guards' methods of `Trainer` (a mixin: they read and change its state)."""
+class Guards:
+    """The guards around each step: what to do with a skipped update, an fp16 overflow, an
+    out-of-memory batch or a loss that diverges, the pre-flight check, the pace."""
 
-    # The Trainer's state the guards use (set in Trainer.__init__).
-    cfg: Config
-    run_dir: Path
-    dist: DistContext
-    device: torch.device
-    model: Transformer
-    optimizer: torch.optim.Optimizer
-    state: TrainState
-    step_hook: StepHook
-    _last_batches: list[Batch]
-    _oom_batches: set[tuple[int, int]]
+    def __init__(
+        self,
+        cfg: Config,
+        run_dir: Path,
+        dist: DistContext,
+        device: torch.device,
+        model: Transformer,
+        optimizer: torch.optim.Optimizer,
+        checkpoints: Checkpoints,
+        train_log: TrainLog,
+    ) -> None:
+        self.cfg, self.run_dir, self.dist, self.device = cfg, run_dir, dist, device
+        self.model, self.optimizer = model, optimizer
+        self.checkpoints, self.train_log = checkpoints, train_log
+        #: (epoch, position) of the batches that ran out of memory: a second time stops
+        self.oom_batches: set[tuple[int, int]] = set()
 
-    def _log(self, record: dict[str, Any]) -> None:
-        raise NotImplementedError
-
-    def checkpoint_dict(self) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def rollback(self, onset_step: int, reason: str) -> Path:
-        raise NotImplementedError
-
-    def _epoch_data(self, epoch: int) -> Corpus:
-        raise NotImplementedError
-
-    def _loss(self, net: nn.Module, batch: Batch) -> tuple[Tensor, Tensor]:
-        raise NotImplementedError
-
-    def _batch_stream(self) -> Any:
-        raise NotImplementedError
-
-    def _after_skipped_update(self, loop: LoopState) -> None:
+    def after_skipped_update(self, loop: LoopState, state: TrainState, last: Batch) -> None:
         """C1/C2: a non-finite update was skipped: log it; after
-        MAX_CONSECUTIVE_NONFINITE in a row, stop with the evidence (`_crash`)."""
+        MAX_CONSECUTIVE_NONFINITE in a row, stop with the evidence (`crash`; `last` is
+        the step's last batch)."""
         loop.consecutive_bad += 1
         log.warning(
             "non-finite loss or gradient at step %d: update skipped (%d so far)",
-            self.state.step + 1,
-            self.state.nonfinite_skipped,
+            state.step + 1,
+            state.nonfinite_skipped,
         )
-        self._log(
-            {
-                "step": self.state.step + 1,
-                "event": "nonfinite_skipped",
-                "count": self.state.nonfinite_skipped,
-            }
+        self.train_log.write(
+            {"step": state.step + 1, "event": "nonfinite_skipped", "count": state.nonfinite_skipped}
         )
         if loop.consecutive_bad >= MAX_CONSECUTIVE_NONFINITE:
-            raise self._crash(loop.consecutive_bad)
+            raise self.crash(state, loop.consecutive_bad, last)
 
-    def _after_overflow(self, step: int, loss_scale: float, new_scale: float) -> None:
+    def after_overflow(
+        self, state: TrainState, step: int, loss_scale: float, new_scale: float
+    ) -> None:
         """fp16: the loss scaler found inf/NaN gradients at `loss_scale` and skipped step
         `step` (Adam did not run), halving the scale to `new_scale`. That is how dynamic
         loss scaling finds its scale, not a divergence: logged, not counted among the
@@ -262,15 +248,15 @@ class TrainerGuards:
             step,
             loss_scale,
             new_scale,
-            self.state.overflow_skipped,
+            state.overflow_skipped,
         )
-        self._log(
+        self.train_log.write(
             {
                 "step": step,
                 "event": "overflow_skipped",
                 "loss_scale": loss_scale,
                 "new_loss_scale": new_scale,
-                "count": self.state.overflow_skipped,
+                "count": state.overflow_skipped,
             }
         )
         if new_scale < MIN_LOSS_SCALE:
@@ -282,32 +268,35 @@ class TrainerGuards:
                 "or fp32 (--dtype)"
             )
 
-    def _rolled_back(self, loop: LoopState, loss: float) -> bool:
-        """C4: with train.divergence on, add step's loss to the window; if the loss
-        diverged, stop ("stop") or roll back to a checkpoint from before it and continue
-        from there with a fresh batch stream ("rollback"): True when rolled back."""
+    def divergence(self, loop: LoopState, state: TrainState, loss: float) -> str | None:
+        """C4: with train.divergence on, add the step's loss to the window; if the loss
+        diverged, stop ("stop": TrainingError) or say why, for the trainer to roll back
+        ("rollback"); None while it has not."""
         t = self.cfg.train
         if t.divergence == "off":
-            return False
+            return None
         keep = t.divergence_window + t.divergence_short
         loop.recent_losses = [*loop.recent_losses[-keep:], loss]
         if not self._diverged(loop.recent_losses):
-            return False
+            return None
         short = loop.recent_losses[-t.divergence_short :]
         reason = (
-            f"loss diverged at step {self.state.step}: mean {sum(short) / len(short):.3f}"
+            f"loss diverged at step {state.step}: mean {sum(short) / len(short):.3f}"
             f" over the last {len(short)} steps"
         )
         if t.divergence == "stop":
             raise TrainingError(reason + " (train.divergence = 'stop')")
-        self.rollback(self.state.step - t.divergence_short, reason)
-        loop.stream.close()
-        loop.stream, loop.recent_losses = self._batch_stream(), []
-        return True
+        return reason
 
-    def preflight(self) -> None:
-        """C7: forward and backward over this epoch's largest batches before training, so
-        that a batch too big for memory fails now, with advice, not hours into the run.
+    def preflight(
+        self,
+        state: TrainState,
+        corpus: Corpus,
+        loss_fn: Callable[[nn.Module, Batch], tuple[Tensor, Tensor]],
+    ) -> None:
+        """C7: forward and backward over this epoch's (`corpus`) largest batches before
+        training, so that a batch too big for memory fails now, with advice, not hours
+        into the run.
 
         Nothing of it stays: no update, the gradients dropped, the random state restored
         (each step reseeds anyway), and through the plain model, so no rank waits in a
@@ -315,8 +304,7 @@ class TrainerGuards:
         Bounded: no batch after the first once `PREFLIGHT_SECONDS` are spent.
         """
         t = self.cfg.train
-        epoch = self.state.epoch
-        corpus = self._epoch_data(epoch)
+        epoch = state.epoch
         order = epoch_order(corpus, t, epoch, self.dist)
         cuda = self.device.type == "cuda"
         t0 = time.perf_counter()
@@ -333,7 +321,7 @@ class TrainerGuards:
                 )
                 shapes.append([list(batch.src.shape), list(batch.tgt_in.shape)])
                 try:
-                    loss, _ = self._loss(self.model, batch.to(self.device))
+                    loss, _ = loss_fn(self.model, batch.to(self.device))
                     loss.backward()
                 except (torch.OutOfMemoryError, RuntimeError) as e:
                     if not is_oom(e):
@@ -360,9 +348,9 @@ class TrainerGuards:
             peak,
             f"; {skipped} more not tried (over its {PREFLIGHT_SECONDS:g} s)" if skipped else "",
         )
-        self._log(
+        self.train_log.write(
             {
-                "step": self.state.step,
+                "step": state.step,
                 "event": "preflight",
                 "shapes": shapes,
                 "not_tried": skipped,
@@ -371,8 +359,12 @@ class TrainerGuards:
             }
         )
 
-    def _skip_oom(
-        self, e: BaseException, batches: list[tuple[int, int, Batch]], failed: int
+    def skip_oom(
+        self,
+        state: TrainState,
+        e: BaseException,
+        batches: list[tuple[int, int, Batch]],
+        failed: int,
     ) -> dict[str, float]:
         """C6: skip an update whose batch ran out of memory (single process only).
 
@@ -388,29 +380,29 @@ class TrainerGuards:
         if self.dist.active:
             raise TrainingError(
                 f"rank {self.dist.rank}: out of memory at step "
-                f"{self.state.step + 1} on {what}; a rank cannot skip a step "
+                f"{state.step + 1} on {what}; a rank cannot skip a step "
                 f"alone, so the job stops ({e})"
             ) from e
-        if (epoch, pos) in self._oom_batches:
+        if (epoch, pos) in self.oom_batches:
             raise TrainingError(
                 f"out of memory twice on the same {what}: lower train.max_tokens"
             ) from e
-        self._oom_batches.add((epoch, pos))
+        self.oom_batches.add((epoch, pos))
         self.optimizer.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         last_epoch, last_pos, _ = batches[-1]
-        self.state.epoch, self.state.batch_in_epoch = last_epoch, last_pos
-        self.state.oom_skipped += 1
+        state.epoch, state.batch_in_epoch = last_epoch, last_pos
+        state.oom_skipped += 1
         log.warning(
             "out of memory at step %d on %s: update skipped (%d so far)",
-            self.state.step + 1,
+            state.step + 1,
             what,
-            self.state.oom_skipped,
+            state.oom_skipped,
         )
-        self._log(
+        self.train_log.write(
             {
-                "step": self.state.step + 1,
+                "step": state.step + 1,
                 "event": "oom_skipped",
                 "epoch": epoch,
                 "batch": pos,
@@ -421,39 +413,39 @@ class TrainerGuards:
         )
         return {"oom": 1.0}
 
-    def _crash(self, consecutive: int) -> TrainingError:
+    def crash(self, state: TrainState, consecutive: int, last: Batch) -> TrainingError:
         """C2: after repeated non-finite updates, keep the evidence and name the culprit.
 
         The model is the last good one (skipped updates leave it untouched); it goes to
         crash-<step>.pt, never over a checkpoint, with the name of the first module whose
         output is non-finite on the last batch.
         """
-        t, step = self.cfg.train, self.state.step + 1
+        t, step = self.cfg.train, state.step + 1
         culprit = "not checked on this rank"
         path = self.run_dir / f"crash-{step}.pt"
         if self.dist.is_main:
-            culprit = find_nonfinite(self.model, self._last_batches[-1], self.device, t.dtype)
+            culprit = find_nonfinite(self.model, last, self.device, t.dtype)
             try:
                 ckpt_lib.save_checkpoint_file(
                     path,
                     {
-                        **self.checkpoint_dict(),
+                        **self.checkpoints.checkpoint_dict(state),
                         "crash": {
                             "step": step,
                             "consecutive_nonfinite": consecutive,
                             "first_nonfinite": culprit,
-                            "batch_src_shape": list(self._last_batches[-1].src.shape),
+                            "batch_src_shape": list(last.src.shape),
                         },
                     },
                 )
             except ckpt_lib.CheckpointError as e:
                 log.error("could not write %s: %s", path, e)
-            self._log({"step": step, "event": "crash", "first_nonfinite": culprit})
+            self.train_log.write({"step": step, "event": "crash", "first_nonfinite": culprit})
         self.dist.barrier()
         return TrainingError(
             f"{consecutive} consecutive non-finite updates at step {step}: "
             f"stopping. First non-finite: {culprit}. The model of step "
-            f"{self.state.step} is in {path}; checkpoints are untouched."
+            f"{state.step} is in {path}; checkpoints are untouched."
         )
 
     def _diverged(self, losses: list[float]) -> bool:
@@ -468,16 +460,16 @@ class TrainerGuards:
         short = sum(losses[-t.divergence_short :]) / t.divergence_short
         return short > float(long.mean()) + t.divergence_sigma * float(long.std())
 
-    def _check_pace(self, step: int, seconds_per_step: float) -> None:
+    def check_pace(self, state: TrainState, step: int, seconds_per_step: float) -> None:
         """Warn early, not at the end, when max_minutes will stop the run before max_steps
         (e.g. a recipe sized on one CPU run on a slower one): the user can stop and change
         the config while little time is spent."""
         t = self.cfg.train
         budget = 60 * t.max_minutes
-        need = self.state.train_seconds + seconds_per_step * (t.max_steps - step)
+        need = state.train_seconds + seconds_per_step * (t.max_steps - step)
         if need <= budget:
             return
-        last = step + max(0, int((budget - self.state.train_seconds) / seconds_per_step))
+        last = step + max(0, int((budget - state.train_seconds) / seconds_per_step))
         log.warning(
             "at %.3f s a step, max_steps %d needs ~%.0f minutes of training: "
             "max_minutes %g will stop this run near step %d",
@@ -487,7 +479,7 @@ class TrainerGuards:
             t.max_minutes,
             last,
         )
-        self._log(
+        self.train_log.write(
             {
                 "step": step,
                 "event": "budget_ends_first",

@@ -1,7 +1,11 @@
 """What a run keeps in its directory, and getting it back: the checkpoint a `Trainer` writes
 (model, optimizer, counters, random state, config, vocabulary, data hash), saving it from
 rank 0 once every rank agrees on the weights, resuming from the newest valid one, and
-rolling back to an earlier one when the loss diverges (RELIABILITY A, B, C4, D5)."""
+rolling back to an earlier one when the loss diverges (RELIABILITY A, B, C4, D5).
+
+`Checkpoints` is one object the `Trainer` holds: it owns what it saves and loads besides
+the counters (the model, Adam, the fp16 loss scaler, the vocabulary and data hashes); the
+counters (`TrainState`) are the trainer's, passed in and handed back."""
 
 from __future__ import annotations
 
@@ -17,7 +21,9 @@ from aiayn.data.tokenizer import Vocabulary
 from aiayn.model import Transformer
 from aiayn.training.distributed import DistContext
 from aiayn.training.resume import check_resume_compatible, reshard
-from aiayn.training.state import StepHook, TrainingError, TrainState
+from aiayn.training.schedule import step_lr
+from aiayn.training.state import TrainingError, TrainState
+from aiayn.training.watch import TrainLog
 
 log = logging.getLogger(__name__)
 #: The checkpoint's fp16 loss-scaler state (`torch.amp.GradScaler.state_dict()`): scale,
@@ -25,37 +31,41 @@ log = logging.getLogger(__name__)
 SCALER_KEY = "grad_scaler"
 
 
-class TrainerPersistence:
-    """The checkpointing methods of `Trainer` (a mixin: they read and change its state)."""
+class Checkpoints:
+    """The run directory's checkpoints: write one, resume from the newest valid one, roll
+    back to an earlier one."""
 
-    # The Trainer's state these methods use (set in Trainer.__init__).
-    cfg: Config
-    run_dir: Path
-    data_dir: Path
-    dist: DistContext
-    device: torch.device
-    model: Transformer
-    optimizer: torch.optim.Optimizer
-    scaler: torch.amp.GradScaler
-    _pending_log: list[dict[str, Any]]
-    state: TrainState
-    step_hook: StepHook
-    tokenizer: Vocabulary
-    data_sha256: str
-    resumed_from: Path | None
+    def __init__(
+        self,
+        cfg: Config,
+        run_dir: Path,
+        data_dir: Path,
+        dist: DistContext,
+        device: torch.device,
+        model: Transformer,
+        optimizer: torch.optim.Optimizer,
+        scaler: torch.amp.GradScaler,
+        tokenizer: Vocabulary,
+        data_sha256: str,
+        train_log: TrainLog,
+    ) -> None:
+        self.cfg, self.run_dir, self.data_dir = cfg, run_dir, data_dir
+        self.dist, self.device = dist, device
+        self.model, self.optimizer, self.scaler = model, optimizer, scaler
+        self.tokenizer, self.data_sha256 = tokenizer, data_sha256
+        self.train_log = train_log
 
-    def _log(self, record: dict[str, Any]) -> None:
-        raise NotImplementedError
-
-    def lr(self, step: int) -> float:
-        raise NotImplementedError
-
-    def _resume(self, reset_optimizer: bool, reset_dataloader: bool) -> None:
+    def resume(
+        self, reset_optimizer: bool, reset_dataloader: bool
+    ) -> tuple[TrainState, Path] | None:
+        """Load the newest valid checkpoint of the run directory, if any: the weights,
+        Adam and the loss scaler into their objects, and its counters returned with its
+        path. Refused (TrainingError) when the config, vocabulary or data do not fit."""
         found = ckpt_lib.latest_valid_checkpoint(
             self.run_dir, clean=self.dist.is_main, require=ckpt_lib.TRAINING_KEYS
         )
         if found is None:
-            return
+            return None
         path, saved = found
         check_resume_compatible(
             saved, self.cfg, reset_optimizer=reset_optimizer, reset_dataloader=reset_dataloader
@@ -74,25 +84,24 @@ class TrainerPersistence:
         self.model.load_state_dict(saved["model"])
         if not reset_optimizer:
             self.optimizer.load_state_dict(saved["optimizer"])
-            self._load_scaler(saved, path)
-        self.state = TrainState(**saved["train_state"])
+            self.load_scaler(saved, path)
+        state = TrainState(**saved["train_state"])
         if reset_dataloader:
-            self.state.epoch, self.state.batch_in_epoch = self.state.epoch + 1, 0
-        reshard(self.state, self.dist.world_size)
-        self.resumed_from = path
+            state.epoch, state.batch_in_epoch = state.epoch + 1, 0
+        reshard(state, self.dist.world_size)
         log.info(
             "resumed from %s: step %d, epoch %d, batch %d of the epoch, lr %.3g, best "
             "valid nll %.4f, %d validations without improvement, %d non-finite and %d "
             "out-of-memory updates skipped",
             path,
-            self.state.step,
-            self.state.epoch,
-            self.state.batch_in_epoch,
-            self.lr(self.state.step + 1),
-            self.state.best_valid_nll,
-            self.state.valid_without_improvement,
-            self.state.nonfinite_skipped,
-            self.state.oom_skipped,
+            state.step,
+            state.epoch,
+            state.batch_in_epoch,
+            step_lr(self.cfg, state, state.step + 1),
+            state.best_valid_nll,
+            state.valid_without_improvement,
+            state.nonfinite_skipped,
+            state.oom_skipped,
         )
         older = ckpt_lib.list_checkpoints(self.run_dir)
         keep = self.cfg.train.keep_last
@@ -104,8 +113,9 @@ class TrainerPersistence:
                 ", ".join(doomed),
                 len(older) + 1,
             )
+        return state, path
 
-    def _load_scaler(self, saved: dict[str, Any], path: Path) -> None:
+    def load_scaler(self, saved: dict[str, Any], path: Path) -> None:
         """The fp16 loss scaler's scale and growth tracker as `path` left them (a resumed
         run repeats the uninterrupted one bit for bit); a checkpoint without them (written
         before fp16 existed, or by an fp32/bf16 run) leaves a fresh scaler, and says so."""
@@ -121,7 +131,7 @@ class TrainerPersistence:
             path,
             self.scaler.get_scale(),
         )
-        self._pending_log.append(  # train_log.jsonl, as the first update starts
+        self.train_log.later(  # train_log.jsonl, as the first update starts
             {
                 "event": "fresh_loss_scaler",
                 "checkpoint": str(path),
@@ -129,7 +139,8 @@ class TrainerPersistence:
             }
         )
 
-    def checkpoint_dict(self) -> dict[str, Any]:
+    def checkpoint_dict(self, state: TrainState) -> dict[str, Any]:
+        """What a checkpoint holds at the counters `state`."""
         tok = self.tokenizer.to_bytes()
         # fp16 only: a disabled scaler's state is empty; averaging and decoding ignore it
         scaler = {SCALER_KEY: self.scaler.state_dict()} if self.scaler.is_enabled() else {}
@@ -141,25 +152,25 @@ class TrainerPersistence:
             "data_sha256": self.data_sha256,
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
-            "step": self.state.step,
-            "epoch": self.state.epoch,
-            "train_state": self.state.to_dict(),
+            "step": state.step,
+            "epoch": state.epoch,
+            "train_state": state.to_dict(),
             "rng": {"torch": torch.get_rng_state()},
             **scaler,
         }
 
-    def save(self) -> Path | None:
+    def save(self, state: TrainState) -> Path | None:
         """Rank 0 writes; every rank first checks that all hold the same weights (a rank
         that fell out of step must never go unnoticed) and waits for the write to end."""
         if self.dist.active and not self.dist.same_on_all(self._checksum(), self.device):
             raise TrainingError(
-                f"ranks hold different weights at step {self.state.step}: "
+                f"ranks hold different weights at step {state.step}: "
                 "a rank fell out of step; stopping without saving"
             )
         path = None
         if self.dist.is_main:
             path = ckpt_lib.save_checkpoint(
-                self.run_dir, self.checkpoint_dict(), self.cfg.train.keep_last
+                self.run_dir, self.checkpoint_dict(state), self.cfg.train.keep_last
             )
         self.dist.barrier()
         return path
@@ -172,13 +183,14 @@ class TrainerPersistence:
             )
         )
 
-    def rollback(self, onset_step: int, reason: str) -> Path:
+    def rollback(self, state: TrainState, onset_step: int, reason: str) -> TrainState:
         """Reload the newest valid checkpoint from before `onset_step` (the divergence
-        guard); the counters of what went wrong are kept, the learning rate lowered."""
+        guard) and return its counters, with those of what went wrong kept from `state`
+        and the learning rate lowered."""
         t = self.cfg.train
-        if self.state.rollbacks >= t.max_rollbacks:
+        if state.rollbacks >= t.max_rollbacks:
             raise TrainingError(
-                f"{reason}; already rolled back {self.state.rollbacks} times "
+                f"{reason}; already rolled back {state.rollbacks} times "
                 f"(train.max_rollbacks): stopping"
             )
         for path in reversed(ckpt_lib.list_checkpoints(self.run_dir)):
@@ -196,14 +208,12 @@ class TrainerPersistence:
                 f"{reason}; no valid checkpoint from step {onset_step} or "
                 "before to roll back to: stopping"
             )
-        keep = self.state
+        keep = state
         self.model.load_state_dict(saved["model"])
         self.optimizer.load_state_dict(saved["optimizer"])
-        self._load_scaler(saved, path)
-        self.state = TrainState(**saved["train_state"])
-        reshard(
-            self.state, self.dist.world_size
-        )  # the checkpoint may come from a run on another number of ranks
+        self.load_scaler(saved, path)
+        state = TrainState(**saved["train_state"])
+        reshard(state, self.dist.world_size)  # it may come from a run on another number of ranks
         for name in (
             "nonfinite_skipped",
             "oom_skipped",
@@ -214,26 +224,25 @@ class TrainerPersistence:
             "best_checkpoint_metric",
             "best_checkpoint_value",
         ):
-            setattr(self.state, name, getattr(keep, name))
-        self.state.rollbacks = keep.rollbacks + 1
-        self.state.lr_factor = keep.lr_factor * t.divergence_lr_factor
-        self.step_hook.on_rollback()
+            setattr(state, name, getattr(keep, name))
+        state.rollbacks = keep.rollbacks + 1
+        state.lr_factor = keep.lr_factor * t.divergence_lr_factor
         log.warning(
             "%s: rolled back to %s (step %d); learning rate now x%g (rollback %d of at most %d)",
             reason,
             path,
-            self.state.step,
-            self.state.lr_factor,
-            self.state.rollbacks,
+            state.step,
+            state.lr_factor,
+            state.rollbacks,
             t.max_rollbacks,
         )
-        self._log(
+        self.train_log.write(
             {
-                "step": self.state.step,
+                "step": state.step,
                 "event": "rollback",
                 "reason": reason,
                 "checkpoint": str(path),
-                "lr_factor": self.state.lr_factor,
+                "lr_factor": state.lr_factor,
             }
         )
-        return path
+        return state

@@ -1,6 +1,16 @@
 """Training (section 5): the loop around the paper's step (`aiayn.training.step.train_step`:
 the label-smoothed loss, backward, clipping, Adam at Eq. 3's rate), with what a long run
-needs: batches, guards, checkpoints, validation, logs.
+needs around it as objects the `Trainer` holds and calls:
+
+    guards       `guards.Guards`: non-finite updates, out of memory, divergence, pace
+    checkpoints  `persistence.Checkpoints`: save every interval, resume, roll back
+    validator    `validation.Validator`: valid NLL and BLEU, checkpoint_best.pt, patience
+    scaler       fp16's dynamic loss scaling (`precision.make_scaler`; a no-op otherwise)
+    net          the model, or DDP around it under torchrun (`distributed.data_parallel`)
+    step_hook    fault injection for the reliability tests (`faults.Faults`; a no-op)
+    train_log    train_log.jsonl and TensorBoard (`watch.TrainLog`)
+
+Read `run` (the loop) and `_update` (one step and the guards' answers) first.
 
 The loop is deterministic: batches come from (seed, epoch) alone and dropout is reseeded
 from (seed, step, rank) before every update, so a run resumed from a checkpoint repeats
@@ -10,54 +20,37 @@ an uninterrupted one exactly (fairseq does the same).
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import os
 import signal
 import time
 from collections.abc import Generator
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from aiayn import checkpoints as ckpt_lib
 from aiayn import speed
-from aiayn.config import ONEDNN_PRIMITIVE_CACHE_CAPACITY, Config
+from aiayn.config import Config
 from aiayn.data.batching import Batch, Prefetch
 from aiayn.data.bpe_dropout import BPEDropout
 from aiayn.data.corpus import Corpus, has_split, load_corpus, load_manifest, split_sha256
 from aiayn.data.tokenizer import PairTokenizer, load_vocabulary
-from aiayn.files import write_text_atomic
-from aiayn.model import Transformer, count_parameters
-from aiayn.training.distributed import init_from_env, shutdown
+from aiayn.model import Transformer
+from aiayn.training.announce import announce, precision_record
+from aiayn.training.distributed import data_parallel, init_from_env, shutdown
 from aiayn.training.epochs import batch_plan, batches_from
 from aiayn.training.faults import Faults
-from aiayn.training.guards import (
-    LoopState,
-    Pace,
-    StopSignal,
-    TrainerGuards,
-)
+from aiayn.training.guards import Guards, LoopState, Pace, StopSignal
 from aiayn.training.loss import generator_loss, rdrop_loss
-from aiayn.training.persistence import TrainerPersistence
-from aiayn.training.precision import make_scaler, resolve_dtype
-from aiayn.training.schedule import learning_rate, make_optimizer
+from aiayn.training.persistence import Checkpoints
+from aiayn.training.precision import make_scaler
+from aiayn.training.schedule import learning_rate, make_optimizer, step_lr
 from aiayn.training.state import Hooks, StepHook, TrainingError, TrainResult, TrainState
 from aiayn.training.step import BatchOutOfMemoryError, StepParts, train_step
-from aiayn.training.validation import autocast, validate
-from aiayn.training.watch import (
-    TB_DIR,
-    BleuSubset,
-    Board,
-    best_metric_name,
-    bleu_due,
-    bleu_subset,
-    is_better,
-    patience_metric,
-    valid_bleu,
-)
+from aiayn.training.validation import Validator, autocast, validate
+from aiayn.training.watch import TrainLog
 
 __all__ = [
     "Hooks",
@@ -81,7 +74,7 @@ def _seed_step(seed: int, step: int, rank: int = 0, world_size: int = 1) -> None
     torch.manual_seed(seed * 1_000_003 + step * world_size + rank)
 
 
-class Trainer(TrainerPersistence, TrainerGuards):
+class Trainer:
     """One training run in one directory: builds or resumes everything, then `run()`s."""
 
     def __init__(
@@ -101,15 +94,13 @@ class Trainer(TrainerPersistence, TrainerGuards):
         self.hooks = hooks or Hooks()
         self.manifest = load_manifest(self.data_dir)
         self.tokenizer = load_vocabulary(self.data_dir / "spm.model")
-        from dataclasses import replace
-
         model = replace(cfg.model, vocab_size=self.tokenizer.vocab_size)
         if isinstance(self.tokenizer, PairTokenizer):  # ids mean other pieces on each side
             model = replace(model, share_embeddings=False, share_target_embeddings=True)
         self.cfg = replace(cfg, model=model)
         self.cfg.validate()
-        self.train_data = load_corpus(self.data_dir, "train")
         t = self.cfg.train
+        self.train_data = load_corpus(self.data_dir, "train")
         self._bpe_dropout = (
             BPEDropout(self.train_data, self.tokenizer, t.bpe_dropout, t.max_len)
             if t.bpe_dropout > 0
@@ -126,34 +117,24 @@ class Trainer(TrainerPersistence, TrainerGuards):
             ckpt_lib.check_run_dir(self.run_dir)
             self._lock = ckpt_lib.RunLock(self.run_dir).__enter__()
         self.dist.barrier()
-        torch.manual_seed(self.cfg.train.seed)  # the same initial weights for a given seed
+        torch.manual_seed(t.seed)  # the same initial weights for a given seed
         # the paper's model, with the speed paths plugged in where they are on (`aiayn.speed`)
         self.model = speed.accelerate(
             Transformer(self.cfg.model).to(self.device),
-            pack_padding=self.cfg.train.pack_padding,
-            cpu_kernels=self.cfg.train.cpu_kernels,
+            pack_padding=t.pack_padding,
+            cpu_kernels=t.cpu_kernels,
         )
-        if self.cfg.train.compile:
+        if t.compile:
             # in place: parameters and state_dict keys stay those of the plain model
             self.model.compile(dynamic=True)
-        # Under torchrun the forward pass goes through DDP, which averages the gradients;
-        # checkpoints hold the plain model, so they do not depend on the world size.
-        self.net: nn.Module = self.model
-        if self.dist.active:
-            from torch.nn.parallel import DistributedDataParallel
-
-            self.net = DistributedDataParallel(
-                self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None
-            )
-        self.optimizer = make_optimizer(self.model, self.cfg.train)
-        #: fp16's dynamic loss scaling (disabled, a no-op, otherwise); `_resume` restores it
-        self.scaler = make_scaler(self.cfg.train.dtype, self.device)
-        #: train_log.jsonl records made before the loop (precision, a fresh scaler on
-        #: resume), written as the first update starts
-        self._pending_log: list[dict[str, Any]] = []
-        self._log_precision()
+        self.net: nn.Module = data_parallel(self.model, self.dist, self.device)
+        self.optimizer = make_optimizer(self.model, t)
+        #: fp16's dynamic loss scaling (disabled, a no-op, otherwise); resuming restores it
+        self.scaler = make_scaler(t.dtype, self.device)
+        self.train_log = TrainLog(self.run_dir, self.dist.is_main)
+        self.train_log.later(precision_record(self.cfg, self.device, self.dist, self.scaler))
         #: how a step's batch is divided over the ranks and accumulation (epochs.batch_plan)
-        self.plan = batch_plan(self.cfg.train, self.dist.world_size)
+        self.plan = batch_plan(t, self.dist.world_size)
         self.state = TrainState(world_size=self.dist.world_size, global_batches=self.plan.fixed)
         self.resumed_from: Path | None = None
         #: callbacks inside each step: fault injection when AIAYN_FAULTS is set
@@ -162,123 +143,128 @@ class Trainer(TrainerPersistence, TrainerGuards):
         #: build batches ahead on a thread (`_batch_stream`): on GPUs; on the CPU the
         #: thread would compete with the step's own threads for the cores
         self.prefetch = self.device.type == "cuda"
-        self._oom_batches: set[tuple[int, int]] = set()
         self._last_batches: list[Batch] = []
-        self._resume(reset_optimizer, reset_dataloader)
-        #: TensorBoard event files (rank 0) and the valid-BLEU pairs (aiayn.training.watch)
-        self.board = Board(
-            self.run_dir / TB_DIR,
-            self.cfg.train.tensorboard and self.dist.is_main,
-            purge_step=self.state.step + 1 if self.resumed_from is not None else None,
+        self.checkpoints = Checkpoints(
+            self.cfg,
+            self.run_dir,
+            self.data_dir,
+            self.dist,
+            self.device,
+            self.model,
+            self.optimizer,
+            self.scaler,
+            self.tokenizer,
+            self.data_sha256,
+            self.train_log,
         )
-        self._bleu_subset: BleuSubset | None = None
+        self.guards = Guards(
+            self.cfg,
+            self.run_dir,
+            self.dist,
+            self.device,
+            self.model,
+            self.optimizer,
+            self.checkpoints,
+            self.train_log,
+        )
+        resumed = self.checkpoints.resume(reset_optimizer, reset_dataloader)
+        if resumed is not None:
+            self.state, self.resumed_from = resumed
+        #: TensorBoard event files (rank 0); a resumed run purges the steps it redoes
+        self.board = self.train_log.open_board(
+            t.tensorboard, purge_step=self.state.step + 1 if resumed is not None else None
+        )
+        self.validator = Validator(
+            self.cfg,
+            self.model,
+            self.valid_data,
+            self.tokenizer,
+            self.manifest,
+            self.dist,
+            self.device,
+            self.checkpoints,
+            self.train_log,
+            self.hooks,
+        )
         # the unit of batch_in_epoch: as saved (check_resume_compatible refuses a change of
         # train.global_batch_tokens) or, after --reset-dataloader, at the new epoch's start
         self.state.global_batches = self.plan.fixed
 
-    def close(self) -> None:
-        """Release the run directory (run() does this when it ends)."""
-        board = getattr(self, "board", None)  # None when __init__ failed before it
-        if board is not None:
-            board.close()
-        if self._lock is not None:
-            self._lock.__exit__(None, None, None)
-            self._lock = None
-
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):
-            self.close()
-
-    def lr(self, step: int) -> float:
-        """Eq. 3 times lr_scale, times the factor left by divergence rollbacks."""
+    # -- the loop ---------------------------------------------------------------------
+    def run(self) -> TrainResult:
+        """Train until max_steps or max_minutes, saving and validating at intervals."""
         t = self.cfg.train
-        return self.state.lr_factor * learning_rate(
-            step, self.cfg.model.d_model, t.warmup_steps, t.lr_scale
-        )
-
-    def _batch_stream(self) -> BatchStream:
-        """(epoch, position, batch) from the saved position on, forever; on a GPU built
-        ahead on a thread and pinned, so that the GPU does not wait for the next batch
-        (`batching.Prefetch`). Close it when done."""
-        if not self.prefetch:
-            return self._batches()
-        pin = self.device.type == "cuda"
-        return Prefetch((e, i, b.pin_memory() if pin else b) for e, i, b in self._batches())
-
-    def _batches(self) -> Generator[tuple[int, int, Batch], None, None]:
-        epoch, start = self.state.epoch, self.state.batch_in_epoch
-        while True:
-            for i, batch in batches_from(
-                self._epoch_data(epoch), self.cfg.train, epoch, start, self.dist
-            ):
-                yield epoch, i + 1, batch
-            epoch, start = epoch + 1, 0
-
-    def _epoch_data(self, epoch: int) -> Corpus:
-        """The training pairs of `epoch`: the prepared ones, or a BPE-dropout draw that
-        depends on (seed, epoch) only, so that a resumed run sees the same epochs; in
-        both directions for the first `train.bidirectional_epochs` epochs."""
-        t = self.cfg.train
-        corpus = (
-            self.train_data
-            if self._bpe_dropout is None
-            else self._bpe_dropout.epoch(t.seed * 1_000_003 + epoch)
-        )
-        if epoch >= t.bidirectional_epochs:
-            return corpus
-        if self._bpe_dropout is not None:  # a new draw each epoch
-            return corpus.both_directions()
-        if self._both_directions is None:  # the prepared pairs: built once
-            self._both_directions = corpus.both_directions()
-        return self._both_directions
-
-    def _log_precision(self) -> None:
-        """Say what train.dtype means here: what "auto" chose and why; for fp16, the
-        loss scaling (and, on the CPU, that it is slow)."""
-        t = self.cfg.train
-        dtype = resolve_dtype(t.dtype, self.device)
-        cpu = self.device.type == "cpu"
-        choice = speed.machine_choice() if cpu else None
-        describe = speed.IMPLEMENTATIONS.get("describe_machine")
-        if cpu and self.dist.is_main and describe is not None:  # the machine and the choices
-            log.info("%s", describe())
-        if t.dtype == "auto":
-            why = (
-                (choice.reasons["train"] if choice else "without the speed paths (aiayn.fast)")
-                if cpu
-                else "this GPU multiplies bf16 natively"
-                if dtype == "bf16"
-                else "this GPU has no native bf16"
-                if dtype == "fp16"
-                else f"device {self.device.type}"
+        result = TrainResult(self.state, self.run_dir, None)
+        if self.state.step >= t.max_steps:
+            log.warning(
+                "already at step %d >= max_steps %d: nothing to do", self.state.step, t.max_steps
             )
-            log.info("train.dtype auto: training in %s (%s)", dtype, why)
-        if dtype == "fp16":
-            log.info(
-                "fp16 mixed precision: dynamic loss scaling (torch.amp.GradScaler: scale "
-                "%g at the start, halved and the step skipped on inf/NaN gradients, "
-                "doubled after %d clean steps); weights and Adam in fp32",
-                self.scaler.get_scale(),
-                self.scaler.get_growth_interval(),
+            result.stopped_by = "already_done"
+            return result
+        if self.resumed_from is not None:  # readers keep the later pass of redone steps
+            self.train_log.write(
+                {"step": self.state.step, "event": "resumed", "checkpoint": str(self.resumed_from)}
             )
-            if self.device.type == "cpu":
-                log.warning(
-                    "fp16 on the CPU runs PyTorch's generic float16 kernels, far slower "
-                    "than fp32 (unless the CPU has AVX-512 FP16): fp16 is for GPUs"
+        announce(
+            self.cfg,
+            self.run_dir,
+            self.device,
+            self.dist,
+            self.plan,
+            self.model,
+            self.train_data,
+            self.state,
+            self.train_log,
+        )
+        self.model.train()
+        if t.preflight:
+            self.preflight()
+        with contextlib.closing(self), StopSignal() as stop, contextlib.ExitStack() as done:
+            loop = LoopState(
+                self._batch_stream(),
+                stop,
+                Pace(60 * t.max_minutes, self.state.train_seconds),
+                start_step=self.state.step,
+            )
+            done.callback(lambda: loop.stream.close())  # the stream in use then (rollbacks)
+            while self.state.step < t.max_steps:
+                t0 = time.perf_counter()
+                stats = self._update(loop.stream)
+                dt = time.perf_counter() - t0
+                self.state.train_seconds += dt
+                if "oom" in stats or "overflow" in stats:  # skipped, the guards told why
+                    continue
+                stats["tokens_per_s"] = (stats["src_tokens"] + stats["tgt_tokens"]) / dt
+                if "skipped" in stats:  # non-finite: counted; too many in a row stop the run
+                    self.guards.after_skipped_update(loop, self.state, self._last_batches[-1])
+                    continue
+                loop.consecutive_bad = 0
+                step = self.state.step
+                reason = self.guards.divergence(loop, self.state, stats["loss"])
+                if reason is not None:
+                    self._roll_back(loop, reason)
+                    continue
+                result.history.append({"step": step, **stats})
+                per_step = loop.pace.seconds_per_step(
+                    step - loop.start_step, self.state.train_seconds
                 )
-        record: dict[str, Any] = {"event": "precision", "dtype": t.dtype, "resolved": dtype}
-        if choice is not None:
-            record["machine"] = choice.to_dict()
-        self._pending_log.append(record)
+                if per_step is not None:
+                    self.guards.check_pace(self.state, step, per_step)
+                if self.hooks.on_step:
+                    self.hooks.on_step(step, stats)
+                self._log_interval(loop, step, stats)
+                if self._end_of_step(loop, step, result):
+                    break
+        self.dist.barrier()  # no rank leaves while rank 0 still writes
+        result.state = self.state  # a rollback replaces the state object
+        return result
 
     def _update(self, stream: BatchStream) -> dict[str, float]:
         """One optimizer step (`step.train_step`, section 5) over `plan.accumulation` batches
         (train.update_freq, or as a global batch needs: epochs.batch_plan), with the guards'
         answers to what it reports: an out-of-memory batch skips the update, a non-finite
         loss is counted and skipped, an fp16 overflow lowers the scale."""
-        for record in self._pending_log:  # made before the loop: `_log_precision`
-            self._log({"step": self.state.step, **record})
-        self._pending_log.clear()
+        self.train_log.flush_later(self.state.step)  # made before the loop
         step = self.state.step + 1
         self.step_hook.begin_attempt(step)
         _seed_step(self.cfg.train.seed, step, self.dist.rank, self.dist.world_size)
@@ -290,14 +276,14 @@ class Trainer(TrainerPersistence, TrainerGuards):
         try:
             done = train_step(self._step_parts(), self._last_batches, step, self.lr(step))
         except BatchOutOfMemoryError as e:
-            return self._skip_oom(e.__cause__ or e, batches, e.index)
+            return self.guards.skip_oom(self.state, e.__cause__ or e, batches, e.index)
         self.state.epoch, self.state.batch_in_epoch = batches[-1][0], batches[-1][1]
         if done.outcome == "nonfinite":
             self.state.nonfinite_skipped += 1
             return {**done.stats, "skipped": 1.0}
         if done.outcome == "overflow":
             self.state.overflow_skipped += 1
-            self._after_overflow(step, done.loss_scale, self.scaler.get_scale())
+            self.guards.after_overflow(self.state, step, done.loss_scale, self.scaler.get_scale())
             return {**done.stats, "overflow": 1.0}
         self.state.step = step
         self.state.tokens_seen += done.src_tokens + done.tgt_tokens
@@ -359,201 +345,18 @@ class Trainer(TrainerPersistence, TrainerGuards):
                 cpu_kernels=t.cpu_kernels,
             )
 
-    def _log(self, record: dict[str, Any]) -> None:
-        if not self.dist.is_main:
-            return
-        with open(self.run_dir / "train_log.jsonl", "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
-        self.board.write(record)  # the same numbers, for TensorBoard
+    def lr(self, step: int) -> float:
+        """Eq. 3 times lr_scale, times the factor left by divergence rollbacks."""
+        return step_lr(self.cfg, self.state, step)
 
-    def _validate(self, final: bool = False) -> dict[str, float]:
-        """Validation NLL and PPL on rank 0, with valid BLEU where due (`watch.bleu_due`;
-        `final`: the run's last validation), and checkpoint_best.pt kept. Under DDP the
-        other ranks wait at a barrier while rank 0 decodes."""
-        if self.valid_data is None:
-            return {}
-        t = self.cfg.train
-        with_bleu = bleu_due(t, self.state.step, final)
-        if not self.dist.is_main:
-            if with_bleu:
-                self.dist.barrier()
-            return {}
-        metrics = validate(
-            self.model, self.valid_data, t.max_tokens, self.device, t.dtype, t.cpu_kernels
-        )
-        if with_bleu:
-            metrics.update(self._valid_bleu())
-        self.state.best_valid_nll = min(self.state.best_valid_nll, metrics["valid_nll"])
-        record: dict[str, Any] = {"step": self.state.step, "time": self.state.train_seconds}
-        record.update(metrics)
-        if with_bleu and self._bleu_subset is not None:
-            record["valid_bleu_ref"] = self._bleu_subset.reference_kind
-        best = self._keep_best(metrics)
-        if best:
-            record["best"] = True
-        self._log(record)
-        self.board.flush()
-        log.info(
-            "step %d: valid nll %.4f, ppl %.2f%s%s",
-            self.state.step,
-            metrics["valid_nll"],
-            metrics["valid_ppl"],
-            f", BLEU {metrics['valid_bleu']:.2f}" if with_bleu else "",
-            f" (the best {self.state.best_checkpoint_metric} so far: {ckpt_lib.BEST_NAME})"
-            if best
-            else "",
-        )
-        if self.hooks.on_valid:
-            self.hooks.on_valid(self.state.step, metrics)
-        if with_bleu:
-            self.dist.barrier()
-        return metrics
-
-    def _valid_bleu(self) -> dict[str, float]:
-        """sacreBLEU of the fixed validation subset, decoded now (`watch.valid_bleu`); the
-        first time, the subset is built and an event record says what is scored."""
-        t = self.cfg.train
-        first = self._bleu_subset is None
-        if self._bleu_subset is None:
-            assert self.valid_data is not None
-            limit = min(self.cfg.decode.max_input_len, self.cfg.model.max_positions - 1)
-            self._bleu_subset = bleu_subset(
-                self.valid_data, self.tokenizer, self.manifest, t.valid_bleu_sentences, limit
-            )
-        subset = self._bleu_subset
-        metrics, _, signature = valid_bleu(
-            self.model,
-            subset,
-            self.tokenizer,
-            t.valid_bleu_beam,
-            self.cfg.decode,
-            self.device,
-            t.dtype,
-        )
-        if first:
-            if subset.reference_kind != "raw":
-                log.warning(
-                    "valid BLEU is scored against the reference subwords decoded, not the "
-                    "raw text: %s",
-                    subset.reference_source,
-                )
-            self._log(
-                {
-                    "step": self.state.step,
-                    "event": "valid_bleu",
-                    "sentences": len(subset.sources),
-                    "beam": t.valid_bleu_beam,
-                    "reference": subset.reference_kind,
-                    "reference_source": subset.reference_source,
-                    "signature": signature,
-                }
-            )
-        return metrics
-
-    def _keep_best(self, metrics: dict[str, float]) -> bool:
-        """Write checkpoint_best.pt when this validation beats the best so far by
-        train.best_metric (`watch.is_better`); the state records what it has to beat."""
-        name = best_metric_name(self.cfg.train)
-        s = self.state
-        if name is None or name not in metrics:
-            return False
-        if not is_better(name, metrics[name], s.best_checkpoint_metric, s.best_checkpoint_value):
-            return False
-        s.best_checkpoint_step, s.best_checkpoint_metric = s.step, name
-        s.best_checkpoint_value = float(metrics[name])
-        ckpt_lib.save_best_checkpoint(self.run_dir, self.checkpoint_dict())
-        return True
-
-    def _validate_and_check_patience(self, final: bool = False) -> bool:
-        """Validate; True when `patience` validations in a row brought no better value of
-        the watched metric (`watch.patience_metric`: train.best_metric's, valid BLEU where
-        it is measured, else validation NLL). A validation that did not measure it (no
-        BLEU at this step) neither counts nor resets the count."""
-        s = self.state
-        watched = patience_metric(self.cfg.train)
-        before = (s.best_checkpoint_metric, s.best_checkpoint_value, s.best_valid_nll)
-        metrics = self._validate(final)
-        if not metrics or watched not in metrics:
-            return False
-        if watched == "valid_nll":
-            improved = metrics["valid_nll"] < before[2]
-        else:  # the best checkpoint's metric: what _validate just compared it with
-            improved = is_better(watched, metrics[watched], before[0], before[1])
-        s.valid_without_improvement = 0 if improved else s.valid_without_improvement + 1
-        patience = self.cfg.train.patience
-        if patience and s.valid_without_improvement >= patience:
-            log.warning(
-                "no better %s in %d validations (patience %d): stopping",
-                watched,
-                s.valid_without_improvement,
-                patience,
-            )
-            return True
-        return False
-
-    def _announce(self) -> None:
-        """Before the first step: the config beside the checkpoints, and what will run."""
-        t = self.cfg.train
-        if self.dist.is_main:
-            write_text_atomic(
-                self.run_dir / "config.json", json.dumps(self.cfg.to_dict(), indent=2) + "\n"
-            )
-        plan = self.plan
-        log.info(
-            "model: %d parameters; %d training pairs",
-            count_parameters(self.model),
-            len(self.train_data),
-        )
-        if plan.fixed:
-            log.info(
-                "batch: global %d tokens per side per step (train.global_batch_tokens) = "
-                "%d ranks x %d accumulation x ~%d tokens per rank per batch (at most "
-                "train.max_tokens %d)",
-                plan.global_tokens,
-                plan.ranks,
-                plan.accumulation,
-                plan.rank_tokens,
-                t.max_tokens,
-            )
-        else:
-            log.info(
-                "batch: effective ~%d tokens per side x %d accumulation x %d ranks = ~%d "
-                "per step (train.max_tokens is per rank: set train.global_batch_tokens "
-                "to keep the step's batch whatever the ranks)",
-                plan.rank_tokens,
-                plan.accumulation,
-                plan.ranks,
-                plan.global_tokens,
-            )
-        self._log({"step": self.state.step, "event": "batch", **plan.to_dict()})
-        if self.state.epoch < t.bidirectional_epochs:
-            log.info(
-                "bidirectional training: epochs up to %d on every pair in both "
-                "directions (%d pairs), then source->target only",
-                t.bidirectional_epochs - 1,
-                2 * len(self.train_data),
-            )
-        if resolve_dtype(t.dtype, self.device) == "bf16" and self.dist.is_main:
-            self._warn_about_bf16()
-
-    def _warn_about_bf16(self) -> None:
-        warning = speed.slow_bf16_warning(self.device)
-        if warning:
-            log.warning(warning)
-            self._log({"step": self.state.step, "event": "slow_bf16", "message": warning})
-        if (
-            self.cfg.train.bpe_dropout > 0
-            and self.device.type == "cpu"
-            and os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY")
-            == str(ONEDNN_PRIMITIVE_CACHE_CAPACITY)
-        ):
-            log.warning(
-                "BPE-dropout brings new batch shapes every epoch, and aiayn's "
-                "large oneDNN kernel cache (%d) then keeps growing (memory, "
-                "slower steps): start with ONEDNN_PRIMITIVE_CACHE_CAPACITY=1024 "
-                "(docs/performance.md)",
-                ONEDNN_PRIMITIVE_CACHE_CAPACITY,
-            )
+    def _roll_back(self, loop: LoopState, reason: str) -> None:
+        """C4: back to a checkpoint from before the divergence (`Checkpoints.rollback`), and
+        on from there with a fresh batch stream."""
+        onset = self.state.step - self.cfg.train.divergence_short
+        self.state = self.checkpoints.rollback(self.state, onset, reason)
+        self.step_hook.on_rollback()
+        loop.stream.close()
+        loop.stream, loop.recent_losses = self._batch_stream(), []
 
     def _log_interval(self, loop: LoopState, step: int, stats: dict[str, float]) -> None:
         """Every log_interval_steps a line of train_log.jsonl: loss and NLL as means over
@@ -568,7 +371,7 @@ class Trainer(TrainerPersistence, TrainerGuards):
         if step % self.cfg.train.log_interval_steps:
             return
         tokens = max(int(loop.window[2]), 1)
-        self._log(
+        self.train_log.write(
             {
                 "step": step,
                 "time": self.state.train_seconds,
@@ -586,7 +389,7 @@ class Trainer(TrainerPersistence, TrainerGuards):
         t = self.cfg.train
         impatient = False
         if step % t.valid_interval_steps == 0:
-            impatient = self._validate_and_check_patience(final=step >= t.max_steps)
+            impatient = self.validator.out_of_patience(self.state, final=step >= t.max_steps)
         out_of_time = t.max_minutes > 0 and self.state.train_seconds >= 60 * t.max_minutes
         due_by_time = (
             t.save_interval_minutes > 0
@@ -603,7 +406,7 @@ class Trainer(TrainerPersistence, TrainerGuards):
             and not (stopping or impatient)
             and (step % t.valid_interval_steps)
         ):
-            self._validate(final=True)  # the run's last validation, in its last checkpoint
+            self.validator.validate(self.state, final=True)  # the last, in the last checkpoint
         if due or finished:
             result.last_checkpoint = self.save()
             loop.last_save = time.monotonic()
@@ -615,61 +418,66 @@ class Trainer(TrainerPersistence, TrainerGuards):
             result.stopped_by = "patience"
         return out_of_time or stopping or impatient
 
-    def run(self) -> TrainResult:
-        """Train until max_steps or max_minutes, saving and validating at intervals."""
+    # -- the guards' and the checkpoints' entry points ----------------------------------
+    def preflight(self) -> None:
+        """C7: the epoch's largest batches forward and backward before training
+        (`Guards.preflight`)."""
+        self.guards.preflight(self.state, self._epoch_data(self.state.epoch), self._loss)
+
+    def save(self) -> Path | None:
+        """A checkpoint of the run now (`Checkpoints.save`)."""
+        return self.checkpoints.save(self.state)
+
+    # -- batches ----------------------------------------------------------------------
+    def _batch_stream(self) -> BatchStream:
+        """(epoch, position, batch) from the saved position on, forever; on a GPU built
+        ahead on a thread and pinned, so that the GPU does not wait for the next batch
+        (`batching.Prefetch`). Close it when done."""
+        if not self.prefetch:
+            return self._batches()
+        pin = self.device.type == "cuda"
+        return Prefetch((e, i, b.pin_memory() if pin else b) for e, i, b in self._batches())
+
+    def _batches(self) -> Generator[tuple[int, int, Batch], None, None]:
+        epoch, start = self.state.epoch, self.state.batch_in_epoch
+        while True:
+            for i, batch in batches_from(
+                self._epoch_data(epoch), self.cfg.train, epoch, start, self.dist
+            ):
+                yield epoch, i + 1, batch
+            epoch, start = epoch + 1, 0
+
+    def _epoch_data(self, epoch: int) -> Corpus:
+        """The training pairs of `epoch`: the prepared ones, or a BPE-dropout draw that
+        depends on (seed, epoch) only, so that a resumed run sees the same epochs; in
+        both directions for the first `train.bidirectional_epochs` epochs."""
         t = self.cfg.train
-        result = TrainResult(self.state, self.run_dir, None)
-        if self.state.step >= t.max_steps:
-            log.warning(
-                "already at step %d >= max_steps %d: nothing to do", self.state.step, t.max_steps
-            )
-            result.stopped_by = "already_done"
-            return result
-        if self.resumed_from is not None:  # readers keep the later pass of redone steps
-            self._log(
-                {"step": self.state.step, "event": "resumed", "checkpoint": str(self.resumed_from)}
-            )
-        self._announce()
-        self.model.train()
-        if t.preflight:
-            self.preflight()
-        with contextlib.closing(self), StopSignal() as stop, contextlib.ExitStack() as done:
-            loop = LoopState(
-                self._batch_stream(),
-                stop,
-                Pace(60 * t.max_minutes, self.state.train_seconds),
-                start_step=self.state.step,
-            )
-            done.callback(lambda: loop.stream.close())  # the stream in use then (rollbacks)
-            while self.state.step < t.max_steps:
-                t0 = time.perf_counter()
-                stats = self._update(loop.stream)
-                dt = time.perf_counter() - t0
-                self.state.train_seconds += dt
-                if "oom" in stats or "overflow" in stats:  # fp16 overflow: `_after_overflow`
-                    continue
-                stats["tokens_per_s"] = (stats["src_tokens"] + stats["tgt_tokens"]) / dt
-                if "skipped" in stats:
-                    self._after_skipped_update(loop)
-                    continue
-                loop.consecutive_bad = 0
-                step = self.state.step
-                if self._rolled_back(loop, stats["loss"]):
-                    continue
-                result.history.append({"step": step, **stats})
-                per_step = loop.pace.seconds_per_step(
-                    step - loop.start_step, self.state.train_seconds
-                )
-                if per_step is not None:
-                    self._check_pace(step, per_step)
-                if self.hooks.on_step:
-                    self.hooks.on_step(step, stats)
-                self._log_interval(loop, step, stats)
-                if self._end_of_step(loop, step, result):
-                    break
-        self.dist.barrier()  # no rank leaves while rank 0 still writes
-        result.state = self.state  # a rollback replaces the state object
-        return result
+        corpus = (
+            self.train_data
+            if self._bpe_dropout is None
+            else self._bpe_dropout.epoch(t.seed * 1_000_003 + epoch)
+        )
+        if epoch >= t.bidirectional_epochs:
+            return corpus
+        if self._bpe_dropout is not None:  # a new draw each epoch
+            return corpus.both_directions()
+        if self._both_directions is None:  # the prepared pairs: built once
+            self._both_directions = corpus.both_directions()
+        return self._both_directions
+
+    # -- the run directory ------------------------------------------------------------
+    def close(self) -> None:
+        """Release the run directory (run() does this when it ends)."""
+        train_log = getattr(self, "train_log", None)  # None when __init__ failed before it
+        if train_log is not None:
+            train_log.close()
+        if self._lock is not None:
+            self._lock.__exit__(None, None, None)
+            self._lock = None
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
 
 
 def train(

@@ -21,6 +21,7 @@ on trains the same weights as one without.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -122,7 +123,7 @@ def decode_ids(
     from aiayn.data.batching import decode_batches
     from aiayn.decoding.search import beam_search
     from aiayn.decoding.translate import pad_batch
-    from aiayn.training.validation import autocast
+    from aiayn.training.precision import autocast
 
     outputs: list[list[int]] = [[] for _ in sources]
     was_training = model.training
@@ -248,3 +249,41 @@ class Board:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+
+
+class TrainLog:
+    """train_log.jsonl (rank 0 only), with each record also written to TensorBoard
+    (`Board`, opened once the run knows where it resumes: `open_board`). Records made
+    before the first update (the precision chosen, a fresh loss scaler on resume) wait in
+    `later` until `flush_later`, so that they follow a resume's truncation point."""
+
+    def __init__(self, run_dir: Path, is_main: bool) -> None:
+        self.path = run_dir / "train_log.jsonl"
+        self.is_main = is_main
+        self.board: Board | None = None
+        self._later: list[dict[str, Any]] = []
+
+    def open_board(self, enabled: bool, purge_step: int | None) -> Board:
+        self.board = Board(self.path.parent / TB_DIR, enabled and self.is_main, purge_step)
+        return self.board
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.is_main:
+            return
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.board is not None:
+            self.board.write(record)  # the same numbers, for TensorBoard
+
+    def later(self, record: dict[str, Any]) -> None:
+        """Write `record` as the first update starts (`flush_later`), at its step."""
+        self._later.append(record)
+
+    def flush_later(self, step: int) -> None:
+        for record in self._later:
+            self.write({"step": step, **record})
+        self._later.clear()
+
+    def close(self) -> None:
+        if self.board is not None:
+            self.board.close()
