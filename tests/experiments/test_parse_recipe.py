@@ -237,3 +237,40 @@ def test_where_evalb_would_stop_the_scores_say_so(tmp_path):
     scores = _score_all(gold, {"bad": test, "good": fine}, "", tmp_path / "evalb")
     assert scores["bad"]["evalb_stops"] and scores["bad"]["aiayn"]["error_sentences"] == 12
     assert not scores["good"]["evalb_stops"] and scores["good"]["aiayn"]["f1"] == 100.0
+
+
+needs_cc = pytest.mark.skipif(
+    shutil.which("gcc") is None and shutil.which("cc") is None, reason="no C compiler"
+)
+
+
+@needs_cc
+@pytest.mark.parametrize(
+    ("body", "said"), [("raise(SIGSEGV);", "-11"), ('fputs("no", stderr); return 3;', "3")]
+)
+def test_a_failing_evalb_is_reported_beside_aiaynss_scores_not_raised(tmp_path, body, said):
+    """EVALB that segfaults (as it did on an undertrained model's very long trees) or
+    exits non-zero: the scores of aiayn's EVALB stand, and the failure is recorded."""
+    fake = tmp_path / "EVALB"
+    fake.mkdir()
+    (fake / "evalb.c").write_text(
+        "#include <signal.h>\n#include <stdio.h>\nint main(void) { " + body + " return 0; }\n"
+    )
+    (fake / "COLLINS.prm").write_text((EVALB / "COLLINS.prm").read_text())
+    gold = tmp_path / "gold.trees"
+    gold.write_text("(S (NP (DT a) (NN b)) (VP (VB c)))\n")
+    scores = _score_all(gold, {"model": gold}, str(fake), tmp_path / "work")
+    assert scores["model"]["aiayn"]["f1"] == 100.0
+    assert "evalb" not in scores["model"] and said in scores["model"]["evalb_error"]
+
+
+def test_an_unbuildable_evalb_is_reported_not_raised(tmp_path, monkeypatch):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    fake = tmp_path / "EVALB"
+    fake.mkdir()
+    (fake / "evalb.c").write_text("int main(void) { return 0; }\n")
+    gold = tmp_path / "gold.trees"
+    gold.write_text("(S (NP (DT a) (NN b)) (VP (VB c)))\n")
+    scores = _score_all(gold, {"model": gold}, str(fake), tmp_path / "work")
+    assert scores["model"]["aiayn"]["f1"] == 100.0 and "evalb_error" in scores["model"]

@@ -359,7 +359,14 @@ def cmd_parse(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from aiayn.decoding.parse import parse_file
+    from aiayn.decoding.tree_constraint import TreeLimits, tree_limits
+    from aiayn.files import read_lines
 
+    limits = TreeLimits()
+    if args.limits_from:
+        limits = tree_limits(list(read_lines(Path(args.limits_from))))
+    limits = TreeLimits(args.max_depth or limits.max_depth, args.max_opens or limits.max_opens)
+    limits.validate()
     model, tokenizer, cfg = _load_decoder(args, ("output", "raw_output"), {"decode.nbest": 1})
     bar = tqdm(unit=" lines", disable=args.no_progress or None, dynamic_ncols=True, file=sys.stderr)
     try:
@@ -373,6 +380,9 @@ def cmd_parse(args: argparse.Namespace) -> int:
             progress=bar.update,
             workers=args.workers,
             raw_path=args.raw_output,
+            constrained=args.constrained,
+            limits=limits,
+            linearization=args.linearization,
         )
     finally:
         bar.close()

@@ -36,6 +36,7 @@ from torch import Tensor
 
 from aiayn.config import EOS_ID, PAD_ID, UNK_ID, DecodeConfig
 from aiayn.data.batching import decode_batches
+from aiayn.decoding.constraints import Constraint
 from aiayn.decoding.ensemble import Ensemble
 from aiayn.decoding.search import Hypothesis, beam_search, position_limit
 from aiayn.decoding.workers import check_workers, map_batches
@@ -65,6 +66,7 @@ class Translation:
 
     text: str
     score: float
+    tokens: tuple[int, ...] = ()  # the subword ids, no BOS/EOS (what `text` decodes)
 
 
 @dataclass
@@ -134,7 +136,11 @@ def _input_limit(model: Decoder, cfg: DecodeConfig) -> int:
 def _to_translations(tokenizer: SubwordTokenizer, hyps: list[Hypothesis]) -> list[Translation]:
     # one output line per input line: a newline inside a decoded string would break that
     return [
-        Translation(tokenizer.decode(h.tokens).replace("\n", " ").replace("\r", " "), h.score)
+        Translation(
+            tokenizer.decode(h.tokens).replace("\n", " ").replace("\r", " "),
+            h.score,
+            tuple(h.tokens),
+        )
         for h in hyps
     ]
 
@@ -147,6 +153,7 @@ def translate_nbest(
     device: str | torch.device = "cpu",
     progress: Callable[[int], None] | None = None,
     workers: int = 1,
+    constraint_for: Callable[[list[int]], Constraint] | None = None,
 ) -> tuple[list[list[Translation]], TranslateStats]:
     """Translate lines with beam search; each line gets its `cfg.nbest` best outputs.
 
@@ -157,6 +164,8 @@ def translate_nbest(
         progress: called with the number of lines finished after each batch.
         workers: CPU only: decode the batches in this many forked processes of one
             thread each (`aiayn.decoding.workers`), instead of one process with all threads.
+        constraint_for: the `Constraint` of a batch, given its lines' indices (0-based, in
+            the batch's order); None decodes unconstrained.
     Returns:
         One list of Translation per input line, in input order, best first; and counts.
     Raises:
@@ -182,7 +191,17 @@ def translate_nbest(
 
     def decode(b: int) -> list[list[Hypothesis]]:
         src = pad_batch([sources[i] for i in batches[b]], device)  # type: ignore[misc]
-        return beam_search(model, src, cfg.beam, cfg.alpha, cfg.max_len_a, cfg.max_len_b, cfg.nbest)
+        constraint = None if constraint_for is None else constraint_for(batches[b])
+        return beam_search(
+            model,
+            src,
+            cfg.beam,
+            cfg.alpha,
+            cfg.max_len_a,
+            cfg.max_len_b,
+            cfg.nbest,
+            constraint=constraint,
+        )
 
     def done(b: int, hyps: list[list[Hypothesis]]) -> None:
         for i, sentence_hyps in zip(batches[b], hyps, strict=True):
