@@ -185,8 +185,10 @@ class TreeConstraint:
         top = s.stack[at, (s.depth - 1).clamp(min=0)]
         mask = torch.zeros((rows, self.vocab_size), dtype=torch.bool, device=self.device)
         mask[:, self.open_ids] = opens.unsqueeze(1)
-        mask[at[word], piece[word]] = True
-        mask[at[close], self.close_ids[top[close]]] = True
+        # scatter, not boolean indexing: no host-device synchronisation on a GPU
+        for col, ok in ((piece, word), (self.close_ids[top], close)):
+            col = col.unsqueeze(1)
+            mask.scatter_(1, col, mask.gather(1, col) | ok.unsqueeze(1))
         mask[:, EOS_ID] |= s.done & ~s.dead
         s.mask = mask
         return mask
