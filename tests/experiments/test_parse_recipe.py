@@ -189,7 +189,13 @@ def test_parse_recipe_runs_end_to_end_and_both_scorers_agree(tmp_path, monkeypat
     assert manifest["splits"]["train"]["lines"] == 430
     assert results["averaged"] == ["checkpoint_4.pt", "checkpoint_8.pt"]
     scores = results["scores"]
-    for system in ("model", "model_without_repairs", "right_branching"):
+    for system in (
+        "model",
+        "model_unconstrained",
+        "model_without_repairs",
+        "right_branching",
+        "pcfg",
+    ):
         assert scores[system]["reports_equal"], system
         ours, evalb = scores[system]["aiayn"], scores[system]["evalb"]
         for key in ("f1", "precision", "recall", "gold_brackets", "test_brackets"):
@@ -198,6 +204,9 @@ def test_parse_recipe_runs_end_to_end_and_both_scorers_agree(tmp_path, monkeypat
     trees = list(read_lines(out / "test.trees"))
     assert len(trees) == 10 == results["parse"]["sentences"]
     assert scores["model"]["aiayn"]["error_sentences"] == 0
+    # constrained: every raw output a tree over its words; the PCFG parses the same words
+    assert results["parse"]["ill_formed"] == 0 and results["parse"]["constrained"]
+    assert scores["pcfg"]["aiayn"]["f1"] > scores["right_branching"]["aiayn"]["f1"]
     # a right-branching tree has brackets, the unrepaired ill-formed outputs have none
     assert scores["right_branching"]["aiayn"]["test_brackets"] > 0
     rescored = score_tree_files(out / "data" / "test.first10.trees", out / "test.trees")
@@ -213,7 +222,7 @@ def test_parse_recipe_runs_end_to_end_and_both_scorers_agree(tmp_path, monkeypat
     chosen = next(r for r in tuning["tried"] if r["f1"] == best)
     assert tuning["chosen"] == {"beam": chosen["beam"], "alpha": chosen["alpha"]}
     assert results["config"]["decode"]["beam"] == chosen["beam"]
-    assert "EVALB F1" in printed and "right-branching" in printed
+    assert "EVALB F1" in printed and "right-branching" in printed and "PCFG" in printed
     assert main(args) == 0  # rerun: training done, the later stages redone, same scores
     again = json.loads((out / "results.json").read_text())
     assert again["scores"] == scores and again["train"]["steps"] == 8

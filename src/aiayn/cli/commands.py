@@ -117,6 +117,8 @@ def cmd_data(args: argparse.Namespace) -> int:
 
     if args.dataset == "ptb":
         return _data_ptb(args)
+    if args.train or args.dev or args.test:
+        raise UsageError("--train, --dev and --test are for ptb")
     if args.dataset == "wmt14":
         return _data_wmt14(args)
     if args.pair:
@@ -156,13 +158,28 @@ def _data_ptb(args: argparse.Namespace) -> int:
     if args.splits or args.langs:
         raise UsageError("--splits and --langs are for multi30k; ptb takes --split")
     out = Path(args.out)
+    named = {s: getattr(args, s) for s in ("train", "dev", "test") if getattr(args, s)}
+    if named and len(named) < 3:
+        missing = [f"--{s}" for s in ("train", "dev", "test") if s not in named]
+        raise UsageError(f"{', '.join(missing)} missing: give each split's file, or none")
+    source: Path | None = None
     if args.from_dir is not None:
         source = Path(args.from_dir)
         if not source.exists():
             raise UsageError(f"--from {source}: no such file or directory")
-    else:
+    elif not named:
         source = download_ptb_sample(out / DOWNLOAD_DIR)
-    manifest = prepare_treebank(source, out, split=args.split)
+    files = None
+    if named:
+        base = source if source is not None and source.is_dir() else Path(".")
+        files = {
+            s: Path(f) if Path(f).is_absolute() or Path(f).exists() else base / f
+            for s, f in named.items()
+        }
+        for s, f in files.items():
+            if not f.is_file():
+                raise UsageError(f"--{s} {named[s]}: no such file ({f})")
+    manifest = prepare_treebank(source, out, split=args.split, files=files)
     for split, info in manifest["splits"].items():
         print(f"{split}: {json.dumps(info)}")
     print(f"{manifest['split']['summary']}; written to {out}")
@@ -382,7 +399,7 @@ def cmd_parse(args: argparse.Namespace) -> int:
             raw_path=args.raw_output,
             constrained=args.constrained,
             limits=limits,
-            linearization=args.linearization,
+            linearization=args.tree_form,
         )
     finally:
         bar.close()

@@ -269,7 +269,7 @@ examples:
         "words by construction (default); --no-constrained decodes freely and repairs",
     )
     p.add_argument(
-        "--linearization",
+        "--tree-form",
         default="words",
         choices=["words", "gafl"],
         help="the model's target: each word in its place (words, the recipe's) or XX (gafl)",

@@ -8,18 +8,24 @@ The task's stages of `aiayn recipe` (`aiayn.experiments.tasks.base`):
     test      the test set parsed and scored with aiayn's EVALB and, when the recipe names
               its source, the real EVALB, each on
 
-    the model's trees (the raw outputs repaired into trees: `decoding.parse`),
-    the model's trees without repairs (an ill-formed output scores as no constituent),
+    the model's trees decoded under the tree constraint (`decoding.tree_constraint`),
+    the model's trees decoded freely, the raw outputs repaired into trees (`decoding.parse`),
+    the free outputs without repairs (an ill-formed output scores as no constituent),
     a right-branching baseline over the same words,
+    a PCFG counted from the training trees (`aiayn.parsing.pcfg`), CKY over the same words,
 
-so the reader sees what the model adds and what the repairs add. Files in RUN:
+so the reader sees what the model adds, what the constraint adds and what the repairs add.
+A failing EVALB (no compiler, a crash) is recorded beside aiayn's scores, never raised.
+Files in RUN:
 
     RUN/data/raw/treebank.zip  the NLTK sample, when no treebank was given (downloaded, verified)
     RUN/data/ptb/       train/dev/test .trees, .words, .lin (`aiayn data ptb`), manifest
     RUN/data/train.mixed.{words,lin}  gold and silver trees mixed ([recipe] silver)
     RUN/data/prepared/  subword model and id tensors (the linearized trees as the target)
     RUN/tune/           the development set parsed at each beam and alpha tried
-    RUN/test.{lin,trees,norepair.trees,rightbranch.trees}  raw outputs, trees, the ablations
+    RUN/test.{lin,trees}         the constrained search's outputs and trees
+    RUN/test.unconstrained.{lin,trees}  the free search's outputs and their repaired trees
+    RUN/test.{norepair,rightbranch,pcfg}.trees  the ablation and the baselines
     RUN/evalb/          EVALB built from its source, and its reports
 """
 
@@ -217,8 +223,29 @@ def _limits(data: TaskData) -> TreeLimits:
 
 
 def _pcfg_baseline(data: TaskData, words: list[list[str]], out: Path) -> dict[str, Path]:
-    """The PCFG baseline's trees of the test sentences (none yet)."""
-    return {}
+    """The PCFG baseline (`aiayn.parsing.pcfg`: parent-annotated, Markovized, counted from
+    the gold training trees, CKY) over the test sentences, in RUN/test.pcfg.trees."""
+    import time
+
+    from aiayn.parsing.pcfg import Pcfg
+    from aiayn.parsing.trees import read_tree_lines
+
+    train = data.files.get("train_trees")
+    if train is None or not Path(train).is_file():
+        return {}
+    t0 = time.perf_counter()
+    grammar = Pcfg().train(tree for _, tree in read_tree_lines(train))
+    trees = [grammar.parse(w).to_string() for w in words]
+    path = out / "test.pcfg.trees"
+    write_text_atomic(path, "".join(f"{t}\n" for t in trees))
+    log.info(
+        "PCFG baseline: %d symbols, %d sentences parsed in %.1f s (%d without a parse)",
+        len(grammar.symbols),
+        len(trees),
+        time.perf_counter() - t0,
+        grammar.failures,
+    )
+    return {"pcfg": path}
 
 
 def _scores(summary: Any) -> dict[str, Any]:
