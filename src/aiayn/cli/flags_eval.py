@@ -280,9 +280,17 @@ examples:
         help="constrained: the deepest nesting and longest run of open brackets allowed are "
         "those of these linearized training trees (e.g. RUN/data/ptb/train.linw); default: 64",
     )
-    p.add_argument("--max-depth", type=int, metavar="N", help="constrained: deepest nesting")
     p.add_argument(
-        "--max-opens", type=int, metavar="N", help="constrained: most open brackets in a row"
+        "--max-depth",
+        type=int,
+        metavar="N",
+        help="constrained: deepest nesting (default: --limits-from's, else 64)",
+    )
+    p.add_argument(
+        "--max-opens",
+        type=int,
+        metavar="N",
+        help="constrained: most open brackets in a row (default: --limits-from's, else 64)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p

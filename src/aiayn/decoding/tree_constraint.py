@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from aiayn.config import EOS_ID
+from aiayn.files import InputError
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,10 @@ def bracket_tokens(tokenizer: Any) -> Brackets:
             opens.append(o[0])
             closes.append(c[0])
     if not labels:
-        raise ValueError("the vocabulary holds no bracket pieces '(L' and ')L': not a parser's")
+        raise InputError(
+            "the model's vocabulary holds no bracket pieces '(L' and ')L': not a parser's "
+            "(or decode with --no-constrained)"
+        )
     return Brackets(tuple(labels), tuple(opens), tuple(closes))
 
 
@@ -101,6 +105,7 @@ class _State:
     started: Tensor  # (R,) bool: the root is open or closed
     done: Tensor  # (R,) bool: the root is closed
     dead: Tensor  # (R,) bool: an empty slot (a token not allowed, or EOS): nothing follows
+    caps: Tensor  # (B,) each sentence's output cap
     step: int
     mask: Tensor | None = None  # the last `allowed`, to check the token taken
 
@@ -156,18 +161,18 @@ class TreeConstraint:
         short = [i for i in range(b) if caps[i] < int(self.total[i]) + 2]
         if short:
             raise ValueError(f"sentence {short[0]}: its output cap cannot hold its tree")
-        self.caps = torch.tensor(list(caps), device=self.device)
+        cap = torch.tensor(list(caps), device=self.device)
         zeros = torch.zeros(b, dtype=torch.long, device=self.device)
         no = torch.zeros(b, dtype=torch.bool, device=self.device)
         stack = torch.zeros((b, self.limits.max_depth), dtype=torch.long, device=self.device)
         sent = torch.arange(b, device=self.device)
-        return _State(sent, zeros, zeros, stack, no, zeros, no, no, no, 0)
+        return _State(sent, zeros, zeros, stack, no, zeros, no, no, no, cap, 0)
 
     def allowed(self, s: _State) -> Tensor:
         rows = s.sent.numel()
         at = torch.arange(rows, device=self.device)
         left = self.total[s.sent] - s.p  # pieces still to write
-        room = self.caps[s.sent] - (s.step + 1)  # tokens left after the next one
+        room = s.caps[s.sent] - (s.step + 1)  # tokens left after the next one
         live = ~s.dead & ~s.done
         boundary = self.boundary[s.sent, s.p] & live
         mid = live & ~boundary
@@ -225,5 +230,6 @@ class TreeConstraint:
             started=g.started | is_open,
             done=g.done | (is_close & (depth == 0)),
             dead=~ok,
+            caps=s.caps,
             step=s.step + 1,
         )
