@@ -53,7 +53,7 @@ def main() -> None:
             raw = translate_lines(model, tokenizer, sources, decode)
             times["translate"].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            result = parse_lines(model, tokenizer, lines, decode)
+            result = parse_lines(model, tokenizer, lines, decode, constrained=False)
             times["parse"].append(time.perf_counter() - t0)
             assert result.raw == raw  # the same search, the same outputs
             tokens = result.output_tokens

@@ -20,6 +20,7 @@ from aiayn.data.tokenizer import (
     load_vocabulary,
     vocabulary_from_bytes,
 )
+from aiayn.decoding import score as score_mod
 from aiayn.files import InputError, read_lines
 from aiayn.model import count_parameters, parameter_formula
 from aiayn.training.trainer import train
@@ -80,7 +81,9 @@ def test_a_pair_serializes_and_refuses_different_sizes(en_fr: Path) -> None:
         PairTokenizer(vocab.source, small)
 
 
-def test_it_trains_decodes_scores_and_exports(en_fr: Path, tmp_path: Path) -> None:
+def test_it_trains_decodes_scores_and_exports(
+    en_fr: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     over = {"max_steps": 60, "save_interval_steps": 60, "valid_interval_steps": 60}
     result = train(tiny_config({**SMALL_TRAINING, **over}), en_fr / "prep", tmp_path / "run")
     ckpt = result.last_checkpoint
@@ -102,6 +105,15 @@ def test_it_trains_decodes_scores_and_exports(en_fr: Path, tmp_path: Path) -> No
     # the output is the target vocabulary's text: it re-encodes (French side) to what was scored
     scores = t.score(lines[:2], [n[0].text for n in nbest])
     assert all(s.total < 0 for s in scores)
+    seen: list[list[list[int]]] = []  # the references are read with the target's model
+    real = score_mod.score_ids
+    monkeypatch.setattr(
+        score_mod, "score_ids", lambda m, s, r, *a: seen.append(r) or real(m, s, r, *a)
+    )
+    refs = [n[0].text for n in nbest]
+    t.score(lines[:2], refs)
+    assert seen == [[vocab.target.encode(r) for r in refs]]
+    assert seen[0] != [vocab.source.encode(r) for r in refs]
 
     ct2 = pytest.importorskip("ctranslate2")
     from aiayn.deploy.export import ct2_translate, export_ctranslate2

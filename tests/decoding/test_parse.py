@@ -3,18 +3,30 @@ line gets one well-formed tree over exactly its words."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
 from aiayn.config import DecodeConfig, ModelConfig
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.decoding import parse as parse_mod
-from aiayn.decoding.parse import flat_tree, parse_file, parse_lines, sentence_words
-from aiayn.decoding.translate import Translation, translate_lines
+from aiayn.decoding.parse import (
+    escape_word,
+    flat_tree,
+    parse_file,
+    parse_lines,
+    sentence_words,
+)
+from aiayn.decoding.translate import Translation, translate_lines, translate_nbest
 from aiayn.files import InputError
 from aiayn.model import Transformer
 from aiayn.parsing.trees import delinearize, parse_tree
 from aiayn.scoring.evalb import COLLINS, score_trees
+from aiayn.scoring.evalb_reference import build_evalb, run_evalb
+from helpers import ROOT
+
+EVALB = ROOT.parent / "shared" / "tools" / "EVALB"
 
 SENTENCES = [
     "The cat sat on the mat .",
@@ -53,7 +65,7 @@ def test_an_untrained_models_outputs_become_trees_over_exactly_the_words(tokeniz
     and the lines that needed a repair are the ones counted as ill-formed."""
     model = random_model(tokenizer.vocab_size, seed)
     cfg = DecodeConfig(beam=3, alpha=0.3, max_len_a=1.0, max_len_b=20)
-    result = parse_lines(model, tokenizer, SENTENCES, cfg)
+    result = parse_lines(model, tokenizer, SENTENCES, cfg, constrained=False)
     assert len(result.trees) == len(SENTENCES) == len(result.raw)
     for tree, line in zip(result.trees, SENTENCES, strict=True):
         assert "\n" not in tree
@@ -66,7 +78,11 @@ def test_an_untrained_models_outputs_become_trees_over_exactly_the_words(tokeniz
         assert result.trees[i] == tree.to_string()
         assert (i in result.ill_formed) == (repairs.total > 0)
     assert result.repairs.total >= len(result.ill_formed)
-    assert result.output_tokens == sum(len(tokenizer.encode(r)) for r in raw)
+    # the subwords the search emitted (re-encoding the decoded text may differ)
+    nbest, _ = translate_nbest(
+        model, tokenizer, [" ".join(sentence_words(s)) for s in SENTENCES], cfg
+    )
+    assert result.output_tokens == sum(len(n[0].tokens) for n in nbest)
     summary = result.summary()
     assert summary["sentences"] == 4 and summary["ill_formed"] == len(result.ill_formed)
 
@@ -80,7 +96,13 @@ def test_well_formed_outputs_are_kept_and_ill_formed_ones_repaired(tokenizer, mo
         return [[Translation(o, 0.0)] for o in outputs], None
 
     monkeypatch.setattr(parse_mod, "translate_nbest", fake_nbest)
-    result = parse_lines(None, tokenizer, SENTENCES, DecodeConfig())  # type: ignore[arg-type]
+    result = parse_lines(
+        None,  # type: ignore[arg-type]
+        tokenizer,
+        SENTENCES,
+        DecodeConfig(),
+        constrained=False,
+    )
     assert result.ill_formed == [1, 3]
     assert result.trees[0] == delinearize(TREES[0], sentence_words(SENTENCES[0]))[0].to_string()
     assert result.repairs.total >= 2
@@ -146,3 +168,33 @@ def test_bad_utf8_replaced_counted_and_partial_as_translate_does(tokenizer, tmp_
         ["Dogs", "\ufffd", "bark", "."],
         ["Yes"],
     ]
+
+
+@pytest.mark.skipif(
+    shutil.which("gcc") is None and shutil.which("cc") is None, reason="no C compiler"
+)
+@pytest.mark.parametrize("constrained", [True, False])
+def test_words_that_look_like_brackets_give_trees_evalb_reads(tokenizer, tmp_path, constrained):
+    """ "-LRB-", "(hello)" and "f(x)": escaped as the treebank does on the way in, kept so
+    in the tree, and the real EVALB reads the trees (scored against themselves: 100)."""
+    lines = ["f(x) and (hello) and -LRB- )", "( a ) b"]
+    assert sentence_words(lines[0]) == [
+        "f-LRB-x-RRB-",
+        "and",
+        "-LRB-hello-RRB-",
+        "and",
+        "-LRB-",
+        "-RRB-",
+    ]
+    assert escape_word("(hello)").replace("-LRB-", "(").replace("-RRB-", ")") == "(hello)"
+    model = random_model(tokenizer.vocab_size, 2)
+    cfg = DecodeConfig(beam=2, alpha=0.3, max_len_a=1.0, max_len_b=15)
+    result = parse_lines(model, tokenizer, lines, cfg, constrained=constrained)
+    for tree, line in zip(result.trees, lines, strict=True):
+        assert leaves(tree) == sentence_words(line)
+    trees = tmp_path / "trees"
+    trees.write_text("".join(f"{t}\n" for t in result.trees))
+    binary = build_evalb(EVALB, tmp_path / "evalb")
+    ref = run_evalb(binary, trees, trees, EVALB / "COLLINS.prm")
+    assert ref.all.sentences == 2 and ref.all.error_sentences == 0
+    assert ref.all.f1 == 100.0 or ref.all.test_brackets == 0

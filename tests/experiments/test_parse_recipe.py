@@ -189,7 +189,13 @@ def test_parse_recipe_runs_end_to_end_and_both_scorers_agree(tmp_path, monkeypat
     assert manifest["splits"]["train"]["lines"] == 430
     assert results["averaged"] == ["checkpoint_4.pt", "checkpoint_8.pt"]
     scores = results["scores"]
-    for system in ("model", "model_without_repairs", "right_branching"):
+    for system in (
+        "model",
+        "model_unconstrained",
+        "model_without_repairs",
+        "right_branching",
+        "pcfg",
+    ):
         assert scores[system]["reports_equal"], system
         ours, evalb = scores[system]["aiayn"], scores[system]["evalb"]
         for key in ("f1", "precision", "recall", "gold_brackets", "test_brackets"):
@@ -198,6 +204,9 @@ def test_parse_recipe_runs_end_to_end_and_both_scorers_agree(tmp_path, monkeypat
     trees = list(read_lines(out / "test.trees"))
     assert len(trees) == 10 == results["parse"]["sentences"]
     assert scores["model"]["aiayn"]["error_sentences"] == 0
+    # constrained: every raw output a tree over its words; the PCFG parses the same words
+    assert results["parse"]["ill_formed"] == 0 and results["parse"]["constrained"]
+    assert scores["pcfg"]["aiayn"]["f1"] > scores["right_branching"]["aiayn"]["f1"]
     # a right-branching tree has brackets, the unrepaired ill-formed outputs have none
     assert scores["right_branching"]["aiayn"]["test_brackets"] > 0
     rescored = score_tree_files(out / "data" / "test.first10.trees", out / "test.trees")
@@ -213,7 +222,7 @@ def test_parse_recipe_runs_end_to_end_and_both_scorers_agree(tmp_path, monkeypat
     chosen = next(r for r in tuning["tried"] if r["f1"] == best)
     assert tuning["chosen"] == {"beam": chosen["beam"], "alpha": chosen["alpha"]}
     assert results["config"]["decode"]["beam"] == chosen["beam"]
-    assert "EVALB F1" in printed and "right-branching" in printed
+    assert "EVALB F1" in printed and "right-branching" in printed and "PCFG" in printed
     assert main(args) == 0  # rerun: training done, the later stages redone, same scores
     again = json.loads((out / "results.json").read_text())
     assert again["scores"] == scores and again["train"]["steps"] == 8
@@ -237,3 +246,40 @@ def test_where_evalb_would_stop_the_scores_say_so(tmp_path):
     scores = _score_all(gold, {"bad": test, "good": fine}, "", tmp_path / "evalb")
     assert scores["bad"]["evalb_stops"] and scores["bad"]["aiayn"]["error_sentences"] == 12
     assert not scores["good"]["evalb_stops"] and scores["good"]["aiayn"]["f1"] == 100.0
+
+
+needs_cc = pytest.mark.skipif(
+    shutil.which("gcc") is None and shutil.which("cc") is None, reason="no C compiler"
+)
+
+
+@needs_cc
+@pytest.mark.parametrize(
+    ("body", "said"), [("raise(SIGSEGV);", "-11"), ('fputs("no", stderr); return 3;', "3")]
+)
+def test_a_failing_evalb_is_reported_beside_aiaynss_scores_not_raised(tmp_path, body, said):
+    """EVALB that segfaults (as it did on an undertrained model's very long trees) or
+    exits non-zero: the scores of aiayn's EVALB stand, and the failure is recorded."""
+    fake = tmp_path / "EVALB"
+    fake.mkdir()
+    (fake / "evalb.c").write_text(
+        "#include <signal.h>\n#include <stdio.h>\nint main(void) { " + body + " return 0; }\n"
+    )
+    (fake / "COLLINS.prm").write_text((EVALB / "COLLINS.prm").read_text())
+    gold = tmp_path / "gold.trees"
+    gold.write_text("(S (NP (DT a) (NN b)) (VP (VB c)))\n")
+    scores = _score_all(gold, {"model": gold}, str(fake), tmp_path / "work")
+    assert scores["model"]["aiayn"]["f1"] == 100.0
+    assert "evalb" not in scores["model"] and said in scores["model"]["evalb_error"]
+
+
+def test_an_unbuildable_evalb_is_reported_not_raised(tmp_path, monkeypatch):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    fake = tmp_path / "EVALB"
+    fake.mkdir()
+    (fake / "evalb.c").write_text("int main(void) { return 0; }\n")
+    gold = tmp_path / "gold.trees"
+    gold.write_text("(S (NP (DT a) (NN b)) (VP (VB c)))\n")
+    scores = _score_all(gold, {"model": gold}, str(fake), tmp_path / "work")
+    assert scores["model"]["aiayn"]["f1"] == 100.0 and "evalb_error" in scores["model"]

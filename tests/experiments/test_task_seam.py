@@ -201,7 +201,7 @@ def test_data_fetches_through_the_task_that_reads_the_dataset(tmp_path, monkeypa
     monkeypatch.setitem(TASKS, "toy", toy)
     out = tmp_path / "out"
     assert main(["data", "toyset", "--out", str(out), "--from", str(tmp_path)]) == 0
-    options = {"splits": None, "langs": None, "pair": None, "split": None}
+    options = dict.fromkeys(("splits", "langs", "pair", "split", "train", "dev", "test"))
     assert toy.calls == [("toyset", out, tmp_path, options)]
     assert f"toyset fetched into {out}" in capsys.readouterr().out
 

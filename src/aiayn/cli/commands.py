@@ -115,7 +115,8 @@ def cmd_data(args: argparse.Namespace) -> int:
     """`aiayn data`: copy or download a corpus, verified, by the task that reads it."""
     from aiayn.experiments.tasks import task_reading
 
-    options = {"splits": args.splits, "langs": args.langs, "pair": args.pair, "split": args.split}
+    names = ("splits", "langs", "pair", "split", "train", "dev", "test")
+    options = {name: getattr(args, name) for name in names}
     source = Path(args.from_dir) if args.from_dir is not None else None
     for line in task_reading(args.dataset).fetch(args.dataset, Path(args.out), source, options):
         print(line)
@@ -331,7 +332,14 @@ def cmd_parse(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from aiayn.decoding.parse import parse_file
+    from aiayn.decoding.tree_constraint import TreeLimits, tree_limits
+    from aiayn.files import read_lines
 
+    limits = TreeLimits()
+    if args.limits_from:
+        limits = tree_limits(list(read_lines(Path(args.limits_from))))
+    limits = TreeLimits(args.max_depth or limits.max_depth, args.max_opens or limits.max_opens)
+    limits.validate()
     model, tokenizer, cfg = _load_decoder(args, ("output", "raw_output"), {"decode.nbest": 1})
     bar = tqdm(unit=" lines", disable=args.no_progress or None, dynamic_ncols=True, file=sys.stderr)
     try:
@@ -345,6 +353,9 @@ def cmd_parse(args: argparse.Namespace) -> int:
             progress=bar.update,
             workers=args.workers,
             raw_path=args.raw_output,
+            constrained=args.constrained,
+            limits=limits,
+            linearization=args.tree_form,
         )
     finally:
         bar.close()

@@ -199,9 +199,13 @@ def add_parse(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argpa
         """\
 One bracketed tree a line per input line (space-separated words, as the treebank
 tokenizes them; a bracket in a word is written -LRB-/-RRB-), in input order. The model
-writes the tree linearized ("(S (NP XX XX )NP ... )S"); whatever it writes is rebuilt into
-a well-formed tree over exactly the input's words, and the repairs that took are counted
-in the JSON summary on stderr. Pre-terminals carry the treebank's punctuation tags for
+writes the tree linearized ("(S (NP The cat )NP ... )S"). By default it decodes under a
+tree constraint: only an open bracket, the innermost constituent's close bracket or the
+next word's pieces may come next, so every output is a tree over exactly the input's words
+by construction. With --no-constrained it writes freely, and whatever it writes is rebuilt
+into a well-formed tree over exactly the input's words, the repairs that took counted
+in the JSON summary on stderr. A bracket inside a word is escaped as the treebank does
+("f(x)" -> f-LRB-x-RRB-). Pre-terminals carry the treebank's punctuation tags for
 punctuation (as EVALB needs to ignore it) and XX elsewhere: the parser does not tag.
 An empty input line is an error naming it; invalid UTF-8 is replaced (U+FFFD), warned about
 with its line and gives exit code 3, as in translate. Decoding options default to the checkpoint's:
@@ -267,6 +271,37 @@ examples:
         default=1,
         metavar="N",
         help="CPU: decode batches in this many forked processes, as for translate",
+    )
+    p.add_argument(
+        "--constrained",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="decode under the tree constraint: every output a tree over exactly the input's "
+        "words by construction (default); --no-constrained decodes freely and repairs",
+    )
+    p.add_argument(
+        "--tree-form",
+        default="words",
+        choices=["words", "gafl"],
+        help="the model's target: each word in its place (words, the recipe's) or XX (gafl)",
+    )
+    p.add_argument(
+        "--limits-from",
+        metavar="FILE",
+        help="constrained: the deepest nesting and longest run of open brackets allowed are "
+        "those of these linearized training trees (e.g. RUN/data/ptb/train.linw); default: 64",
+    )
+    p.add_argument(
+        "--max-depth",
+        type=int,
+        metavar="N",
+        help="constrained: deepest nesting (default: --limits-from's, else 64)",
+    )
+    p.add_argument(
+        "--max-opens",
+        type=int,
+        metavar="N",
+        help="constrained: most open brackets in a row (default: --limits-from's, else 64)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p

@@ -22,8 +22,10 @@ pinned sha256. ptb: a Penn Treebank made ready for parsing (section 6.3): for ea
 constituents they empty, no function tags or indices), SPLIT.words (the sentence, the
 parser's input) and SPLIT.lin (the linearized tree, its output), plus manifest.json.
 --from takes the NLTK sample's treebank.zip (or that zip unpacked: split by file,
-0001-0159 / 0160-0179 / 0180-0199) or the LDC release's folder holding wsj/SS/*.mrg
-(sections 02-21 / 22 / 23); without --from the NLTK sample is downloaded and verified.
+0001-0159 / 0160-0179 / 0180-0199), the LDC release's folder holding wsj/SS/*.mrg
+(sections 02-21 / 22 / 23), or a folder of one-tree-per-line files as parsers ship them
+(02-21.10way.clean, 22.auto.clean, 23.auto.clean; or name each split's file with --train,
+--dev and --test); without --from the NLTK sample is downloaded and verified.
 wmt14: the paper's WMT 2014 data (section 5.1) as aligned plain text, --pair en-de
 (Europarl v7 + Common Crawl + News Commentary v9: ~4.5M pairs; ~1.7 GB to download,
 ~3 GB of disk in all) or en-fr (those + UN + Giga-fren: ~40.8M pairs before cleaning;
@@ -40,6 +42,8 @@ examples:
       --langs en,de
   aiayn data ptb --from ../shared/data/ptb-sample/treebank.zip --out data/ptb
   aiayn data ptb --from /corpora/LDC99T42/parsed/mrg --out data/wsj
+  aiayn data ptb --from /corpora/wsj-clean --out data/wsj
+  aiayn data ptb --train train.txt --dev dev.txt --test test.txt --out data/mine
   aiayn data wmt14 --pair en-de --out data/wmt14-en-de
   aiayn data wmt14 --pair en-fr --from /mirror/statmt --out data/wmt14-en-fr""",
     )
@@ -65,6 +69,18 @@ examples:
         "(training-parallel-europarl-v7.tgz, ..., test-full.tgz), read there and verified, "
         "not copied (default: download; for ptb, NLTK's sample)",
     )
+    for name, example in (
+        ("train", "02-21.10way.clean"),
+        ("dev", "22.auto.clean"),
+        ("test", "23.auto.clean"),
+    ):
+        p.add_argument(
+            f"--{name}",
+            metavar="FILE",
+            help=f"ptb: the {name} split as one tree a line (e.g. {example}; with or without "
+            "an outer (TOP ...) or ( ...)); relative to --from when that is a folder. Give "
+            "all three, or none (a --from folder holding the usual names is read as such)",
+        )
     p.add_argument(
         "--split",
         choices=["auto", "sample", "ldc"],

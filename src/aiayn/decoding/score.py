@@ -105,7 +105,8 @@ def score_lines(
     cfg: DecodeConfig,
     device: str | torch.device = "cpu",
 ) -> list[PairScore]:
-    """Score text pairs: each source and reference subword-encoded as `translate` does.
+    """Score text pairs: each source and reference subword-encoded as `translate` does
+    (with separate vocabularies, each with its own side's model).
 
     A blank source is scored as the lone EOS the model would see for it (translate does
     not feed blank lines to the model, but a pair has a reference to score). Sources and
@@ -122,6 +123,8 @@ def score_lines(
     max_len = cfg.max_input_len if limit is None else min(cfg.max_input_len, limit - 1)
     stats = TranslateStats(lines=len(sources))
     src_ids = [s or [EOS_ID] for s in encode_sources(tokenizer, sources, max_len, stats)]
-    ref_ids = [r[:-1] if r else [] for r in encode_sources(tokenizer, references, max_len, stats)]
+    # references are target text: with separate vocabularies, the target's model encodes them
+    target = getattr(tokenizer, "target", tokenizer)
+    ref_ids = [r[:-1] if r else [] for r in encode_sources(target, references, max_len, stats)]
     model.eval()
     return score_ids(model, src_ids, ref_ids, cfg.alpha, cfg.max_tokens, device)

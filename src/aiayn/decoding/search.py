@@ -24,6 +24,11 @@ Choices, written down once:
   ``beam`` finished ones and no live one can beat the worst of them (see
   :func:`best_possible_score`), or when it reaches its length cap, where its live
   hypotheses are finished as they are. Done sentences leave the active batch.
+- Constraints (`aiayn.decoding.constraints`): an optional per-hypothesis mask of the
+  tokens allowed next, carried with the hypotheses and reordered with the beam. Tokens
+  outside it get log P -inf after the model's normaliser is taken over the whole
+  vocabulary (the model's distribution is not renormalised, as fairseq's
+  prefix_allowed_tokens_fn). The parser's tree constraint is one such mask.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from torch import Tensor
 
 from aiayn import speed
 from aiayn.config import BOS_ID, EOS_ID, PAD_ID
+from aiayn.decoding.constraints import Constraint
 
 #: Tokens that are never generated: padding and the start symbol.
 NEVER_GENERATED = (PAD_ID, BOS_ID)
@@ -153,6 +159,7 @@ def best_next_tokens(
     states: Any,
     k: int,
     exclude: tuple[int, ...] = NEVER_GENERATED,
+    allowed: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Each row's k most probable next tokens and their log-probabilities, in float32 even
     if the model runs in bf16: (R, k) log P, (R, k) token ids, best first. With fewer than
@@ -166,7 +173,12 @@ def best_next_tokens(
     finds the best tokens itself (int8 decoding: `step_topk`) is asked for them, so that
     its logits are scaled as they are read rather than written out; the rest goes through
     `logits_topk`.
+
+    `allowed` (R, V) bool, from a `Constraint`: tokens outside it are not picked either
+    (log P -inf); the normaliser still covers every token.
     """
+    if allowed is not None:
+        return _masked_topk(model.decode_step(last, src_mask, states), k, exclude, allowed)
     fused = speed.IMPLEMENTATIONS.get("step_topk")
     if fused is not None:
         found = fused(model, last, src_mask, states, k, exclude)
@@ -186,6 +198,22 @@ def logits_topk(logits: Tensor, k: int, exclude: tuple[int, ...]) -> tuple[Tenso
     logits = logits.float()
     lse = torch.logsumexp(logits, dim=-1, keepdim=True)
     logits[:, list(exclude)] = float("-inf")
+    top, token = row_topk(logits, min(k, logits.size(-1)))
+    if top.size(1) < k:
+        missing = (top.size(0), k - top.size(1))
+        top = torch.cat([top, top.new_full(missing, float("-inf"))], dim=1)
+        token = torch.cat([token, token.new_full(missing, EOS_ID)], dim=1)
+    return top - lse, token
+
+
+def _masked_topk(
+    logits: Tensor, k: int, exclude: tuple[int, ...], allowed: Tensor
+) -> tuple[Tensor, Tensor]:
+    """`best_next_tokens` under a mask: each row's k best allowed tokens, log P over all."""
+    logits = logits.float()
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    logits[:, list(exclude)] = float("-inf")
+    logits.masked_fill_(~allowed, float("-inf"))
     top, token = row_topk(logits, min(k, logits.size(-1)))
     if top.size(1) < k:
         missing = (top.size(0), k - top.size(1))
@@ -302,7 +330,12 @@ def _init_beams(src_mask: Tensor) -> _Beams:
 
 
 def _expand(
-    model: IncrementalDecoder, beams: _Beams, states: Any, k: int, min_len: int
+    model: IncrementalDecoder,
+    beams: _Beams,
+    states: Any,
+    k: int,
+    min_len: int,
+    allowed: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Score all s*V extensions of each sentence's s slots and keep its k best.
 
@@ -317,7 +350,9 @@ def _expand(
         last = beams.tokens[:, -1:]
     # A sentence's k best of its s*V extensions are among each slot's own k best tokens.
     exclude = excluded(beams.tokens.size(1), min_len)
-    log_p, token = best_next_tokens(model, last, beams.src_mask, states, k, exclude)  # (A*s, k)
+    log_p, token = best_next_tokens(
+        model, last, beams.src_mask, states, k, exclude, allowed
+    )  # (A*s, k)
     candidates = (beams.scores.view(-1, 1) + log_p).view(a, s * k)
     scores, flat = candidates.topk(k, dim=1)  # (A, k)
     origin = torch.div(flat, k, rounding_mode="floor")  # slot within the sentence
@@ -383,6 +418,7 @@ def beam_search(
     max_len_b: float,
     nbest: int = 1,
     min_len: int = 0,
+    constraint: Constraint | None = None,
 ) -> list[list[Hypothesis]]:
     """Batched beam search with GNMT length normalisation and early termination (6.1).
 
@@ -394,6 +430,9 @@ def beam_search(
         nbest: hypotheses returned per sentence, best first.
         min_len: no EOS before this many output tokens (fairseq's --min-len; EOS stays in
             the normaliser; the length cap still ends a hypothesis).
+        constraint: the tokens each hypothesis may take next (`aiayn.decoding.constraints`),
+            started with the B sentences' caps, asked for a mask before each step and
+            advanced with the tokens taken and the rows they extend.
     Returns:
         B lists of `nbest` Hypothesis (fewer only if fewer were found), best score first.
     """
@@ -408,8 +447,10 @@ def beam_search(
     # per sentence (the encoder K/V) stays single.
     states = model.init_state(memory, max(caps))
     beams = _init_beams(src_mask)
+    cstate = None if constraint is None else constraint.start(caps)
     while beams.sent:
-        scores, rows, new = _expand(model, beams, states, beam, min_len)
+        allowed = None if constraint is None else constraint.allowed(cstate)
+        scores, rows, new = _expand(model, beams, states, beam, min_len, allowed)
         a = len(beams.sent)
         tokens = torch.cat([beams.tokens[rows.view(-1)], new.view(-1, 1)], dim=1)
         live = _set_aside(scores, tokens, new, caps, beams.sent, finished, alpha)
@@ -423,6 +464,8 @@ def beam_search(
         kept = torch.tensor(keep, dtype=torch.long, device=src.device)
         index = rows[kept].view(-1)  # reorder by origin and drop done sentences at once
         reorder_states(states, index, kept if len(keep) < a else None)
+        if constraint is not None:
+            cstate = constraint.advance(cstate, new[kept].view(-1), index)
         beams = _Beams(
             [beams.sent[i] for i in keep],
             tokens.view(a, beam, step)[kept].view(-1, step),

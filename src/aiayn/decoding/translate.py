@@ -36,6 +36,7 @@ from torch import Tensor
 
 from aiayn.config import EOS_ID, PAD_ID, UNK_ID, DecodeConfig
 from aiayn.data.batching import decode_batches
+from aiayn.decoding.constraints import Constraint
 from aiayn.decoding.ensemble import Ensemble
 from aiayn.decoding.sampling import SamplingOptions, sample
 from aiayn.decoding.search import Hypothesis, beam_search, position_limit
@@ -66,6 +67,7 @@ class Translation:
 
     text: str
     score: float
+    tokens: tuple[int, ...] = ()  # the subword ids, no BOS/EOS (what `text` decodes)
 
 
 @dataclass
@@ -139,7 +141,11 @@ def _input_limit(model: Decoder, cfg: DecodeConfig) -> int:
 def _to_translations(tokenizer: SubwordTokenizer, hyps: list[Hypothesis]) -> list[Translation]:
     # one output line per input line: a newline inside a decoded string would break that
     return [
-        Translation(tokenizer.decode(h.tokens).replace("\n", " ").replace("\r", " "), h.score)
+        Translation(
+            tokenizer.decode(h.tokens).replace("\n", " ").replace("\r", " "),
+            h.score,
+            tuple(h.tokens),
+        )
         for h in hyps
     ]
 
@@ -154,6 +160,7 @@ def translate_nbest(
     workers: int = 1,
     sampling: SamplingOptions | None = None,
     line_numbers: Sequence[int] | None = None,
+    constraint_for: Callable[[list[int]], Constraint] | None = None,
 ) -> tuple[list[list[Translation]], TranslateStats]:
     """Translate lines with beam search; each line gets its `cfg.nbest` best outputs
     (with `sampling`: its `sampling.n` samples, in the order drawn).
@@ -170,6 +177,8 @@ def translate_nbest(
             on batching.
         line_numbers: each line's number in its input, 0-based (default 0, 1, ...): the
             sampling seeds, and the 1-based numbers in warnings about long lines.
+        constraint_for: the `Constraint` of a batch, given its lines' indices (0-based, in
+            the batch's order); None decodes unconstrained.
     Returns:
         One list of Translation per input line, in input order, best first; and counts.
     Raises:
@@ -178,6 +187,8 @@ def translate_nbest(
     cfg.validate()
     if sampling is not None:
         sampling.validate()
+        if constraint_for is not None:
+            raise ValueError("sampling draws unconstrained: give a constraint or sampling")
     check_workers(workers, device)
     stats = TranslateStats(lines=len(lines))
     numbers = list(range(len(lines))) if line_numbers is None else list(line_numbers)
@@ -204,7 +215,17 @@ def translate_nbest(
         if sampling is not None:
             lines_b = [numbers[i] for i in batches[b]]
             return sample(model, src, sampling, cfg.max_len_a, cfg.max_len_b, cfg.alpha, lines_b)
-        return beam_search(model, src, cfg.beam, cfg.alpha, cfg.max_len_a, cfg.max_len_b, cfg.nbest)
+        constraint = None if constraint_for is None else constraint_for(batches[b])
+        return beam_search(
+            model,
+            src,
+            cfg.beam,
+            cfg.alpha,
+            cfg.max_len_a,
+            cfg.max_len_b,
+            cfg.nbest,
+            constraint=constraint,
+        )
 
     def done(b: int, hyps: list[list[Hypothesis]]) -> None:
         for i, sentence_hyps in zip(batches[b], hyps, strict=True):

@@ -254,14 +254,73 @@ def _describe(scheme: str, requested: str) -> str:
     return f"{what} ({how}): {', '.join(parts)}"
 
 
-def prepare_treebank(source: str | Path, out: str | Path, *, split: str = "auto") -> dict:
+#: One-tree-per-line files as constituency parsers ship the WSJ (Stern et al.'s and Kitaev
+#: and Klein's `02-21.10way.clean`, `22.auto.clean`, `23.auto.clean`, each tree with or
+#: without an outer `(TOP ...)` or `( ...)`), found by name in a --from directory.
+LINE_FILES: dict[str, tuple[str, ...]] = {
+    "train": ("02-21.10way.clean", "02-21.clean", "train.clean"),
+    "dev": ("22.auto.clean", "22.clean", "dev.clean"),
+    "test": ("23.auto.clean", "23.clean", "test.clean"),
+}
+
+
+def line_files(source: Path) -> dict[str, Path]:
+    """The one-tree-per-line split files of a directory, by `LINE_FILES`' names ({} if it
+    holds none); an InputError if it holds some splits' files but not all."""
+    found = {}
+    for name, candidates in LINE_FILES.items():
+        for candidate in candidates:
+            if (source / candidate).is_file():
+                found[name] = source / candidate
+                break
+    if found and len(found) < len(SPLITS):
+        missing = [s for s in SPLITS if s not in found]
+        raise InputError(
+            f"{source}: no {' or '.join(missing)} file among the one-tree-per-line files "
+            f"({', '.join(p.name for p in found.values())}); expected "
+            + "; ".join(f"{s}: {' or '.join(LINE_FILES[s])}" for s in missing)
+            + " (or name each split's file with --train, --dev and --test)"
+        )
+    return found
+
+
+def _prepare_lines(files: dict[str, Path], out: Path, source: Path | None) -> dict:
+    """`prepare_treebank` for one-tree-per-line files, one per split."""
+    splits = {s: _new_split() for s in SPLITS}
+    for name in SPLITS:
+        path = files[name]
+        if not path.is_file():
+            raise InputError(f"{path}: no such file (the {name} split)")
+        for _, tree in read_tree_lines(path):
+            _add(splits[name], path.name, clean(tree))
+        if splits[name]["stats"]["trees"] == 0:
+            raise InputError(f"{path}: no tree with a word (the {name} split)")
+    summary = "one tree a line: " + ", ".join(f"{s} {files[s].name}" for s in SPLITS)
+    source_info = {
+        "path": None if source is None else str(source.resolve()),
+        "kind": "lines",
+        "files": {s: str(files[s].resolve()) for s in SPLITS},
+        "sha256": {s: sha256_file(files[s]) for s in SPLITS},
+    }
+    return _write(splits, out, source_info, {"scheme": "files", "summary": summary}, None)
+
+
+def prepare_treebank(
+    source: str | Path | None,
+    out: str | Path,
+    *,
+    split: str = "auto",
+    files: dict[str, Path] | None = None,
+) -> dict:
     """Write the cleaned, split and linearized treebank into `out` (see the module
     docstring); files a previous run wrote there are replaced, the manifest last.
 
     Args:
-        source: as for `read_treebank`.
+        source: as for `read_treebank`; or a directory of one-tree-per-line files named as
+            `LINE_FILES` says (`02-21.10way.clean`, `22.auto.clean`, `23.auto.clean`).
         out: the output directory (created); it may hold only files this function writes.
-        split: "auto", "sample" or "ldc" (see SPLIT_SCHEMES).
+        split: "auto", "sample" or "ldc" (see SPLIT_SCHEMES), for .mrg files.
+        files: one-tree-per-line files by split ("train", "dev", "test"), instead.
 
     Returns:
         The manifest, as written to `out/manifest.json`.
@@ -270,10 +329,28 @@ def prepare_treebank(source: str | Path, out: str | Path, *, split: str = "auto"
         UsageError: `out` is a file or holds other files (before any work).
         InputError: a malformed tree (file and line), no trees, or an empty split.
     """
-    source, out = Path(source), Path(out)
+    out = Path(out)
     if split not in ("auto", *SPLIT_SCHEMES):
         raise ValueError(f"split must be 'auto', 'sample' or 'ldc', got {split!r}")
     _check_out(out)
+    has_mrg = (
+        source is not None
+        and Path(source).is_dir()
+        and any(_MRG.search(p.as_posix()) for p in Path(source).rglob("*.mrg"))
+    )
+    if files is None and source is not None and Path(source).is_dir() and not has_mrg:
+        files = line_files(Path(source)) or None
+    if files is not None:
+        return _prepare_lines(files, out, None if source is None else Path(source))
+    if source is None:
+        raise ValueError("prepare_treebank needs a source or split files")
+    source = Path(source)
+    if source.is_file() and not zipfile.is_zipfile(source):
+        raise InputError(
+            f"{source}: not a zip archive; a file of one tree a line is one split: give "
+            "the directory holding the three (02-21.10way.clean, 22.auto.clean, "
+            "23.auto.clean), or name each with --train, --dev and --test"
+        )
     file_ids = [file_id for file_id, _ in _listing(source)]
     scheme = detect_split(file_ids) if split == "auto" else split
     splits = {s: _new_split() for s in SPLITS}
@@ -287,6 +364,24 @@ def prepare_treebank(source: str | Path, out: str | Path, *, split: str = "auto"
                 f"{source}: the {name} split is empty under the {scheme} split "
                 f"({_describe(scheme, split)})"
             )
+    source_info = {
+        "path": str(source.resolve()),
+        "kind": "directory" if source.is_dir() else "zip",
+        "sha256": None if source.is_dir() else sha256_file(source),
+        "treebank_files": len(file_ids),
+    }
+    split_info = {"scheme": scheme, "requested": split, "summary": _describe(scheme, split)}
+    return _write(splits, out, source_info, split_info, unused)
+
+
+def _write(
+    splits: dict[str, dict[str, Any]],
+    out: Path,
+    source_info: dict[str, Any],
+    split_info: dict[str, Any],
+    unused: dict[str, Any] | None,
+) -> dict:
+    """The split files, then the manifest (last: it vouches for the rest)."""
     # Every check has passed: only now is `out` touched.
     out.mkdir(parents=True, exist_ok=True)
     (out / MANIFEST_FILE).unlink(missing_ok=True)  # no manifest over a mix of old and new
@@ -297,20 +392,18 @@ def prepare_treebank(source: str | Path, out: str | Path, *, split: str = "auto"
             path = out / f"{name}.{ext}"
             write_text_atomic(path, "".join(line + "\n" for line in lines))
             hashes[path.name] = sha256_file(path)
-    summary = _describe(scheme, split)
+    summary = split_info["summary"]
     manifest = {
         "preprocessing_version": PREPROCESSING_VERSION,
-        "source": {
-            "path": str(source.resolve()),
-            "kind": "directory" if source.is_dir() else "zip",
-            "sha256": None if source.is_dir() else sha256_file(source),
-            "treebank_files": len(file_ids),
-        },
-        "split": {"scheme": scheme, "requested": split, "summary": summary},
+        "source": source_info,
+        "split": split_info,
         "splits": {
             name: dict(data["stats"], files=len(data["files"])) for name, data in splits.items()
         },
-        "unused": {"files": len(unused["files"]), "trees": unused["stats"]["trees"]},
+        "unused": {
+            "files": 0 if unused is None else len(unused["files"]),
+            "trees": 0 if unused is None else unused["stats"]["trees"],
+        },
         "files": hashes,
     }
     text = json.dumps(manifest, indent=2, sort_keys=True) + "\n"

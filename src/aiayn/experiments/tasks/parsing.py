@@ -8,18 +8,24 @@ The task's stages of `aiayn recipe` (`aiayn.experiments.tasks.base`):
     test      the test set parsed and scored with aiayn's EVALB and, when the recipe names
               its source, the real EVALB, each on
 
-    the model's trees (the raw outputs repaired into trees: `decoding.parse`),
-    the model's trees without repairs (an ill-formed output scores as no constituent),
+    the model's trees decoded under the tree constraint (`decoding.tree_constraint`),
+    the model's trees decoded freely, the raw outputs repaired into trees (`decoding.parse`),
+    the free outputs without repairs (an ill-formed output scores as no constituent),
     a right-branching baseline over the same words,
+    a PCFG counted from the training trees (`aiayn.parsing.pcfg`), CKY over the same words,
 
-so the reader sees what the model adds and what the repairs add. Files in RUN:
+so the reader sees what the model adds, what the constraint adds and what the repairs add.
+A failing EVALB (no compiler, a crash) is recorded beside aiayn's scores, never raised.
+Files in RUN:
 
     RUN/data/raw/treebank.zip  the NLTK sample, when no treebank was given (downloaded, verified)
     RUN/data/ptb/       train/dev/test .trees, .words, .lin (`aiayn data ptb`), manifest
     RUN/data/train.mixed.{words,lin}  gold and silver trees mixed ([recipe] silver)
     RUN/data/prepared/  subword model and id tensors (the linearized trees as the target)
     RUN/tune/           the development set parsed at each beam and alpha tried
-    RUN/test.{lin,trees,norepair.trees,rightbranch.trees}  raw outputs, trees, the ablations
+    RUN/test.{lin,trees}         the constrained search's outputs and trees
+    RUN/test.unconstrained.{lin,trees}  the free search's outputs and their repaired trees
+    RUN/test.{norepair,rightbranch,pcfg}.trees  the ablation and the baselines
     RUN/evalb/          EVALB built from its source, and its reports
 """
 
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import json
 import logging
+import subprocess
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,6 +45,7 @@ from aiayn.files import UsageError, read_lines, sha256_file, write_text_atomic
 
 if TYPE_CHECKING:
     from aiayn.decoding.translate import Decoder, SubwordTokenizer
+    from aiayn.decoding.tree_constraint import TreeLimits
     from aiayn.experiments.stages import Trained
 
 log = logging.getLogger(__name__)
@@ -130,7 +138,12 @@ def prepare_data(recipe: RecipeConfig, cfg: Config, out: Path, data: str | Path 
     return TaskData(
         prepared,
         manifest,
-        files={"dev": dev, "test": test},
+        files={
+            "dev": dev,
+            "test": test,
+            "train_target": Path(f"{train}.{target}"),
+            "train_trees": ptb / "train.trees",
+        },
         record={"treebank": treebank, "silver": silver_counts},
     )
 
@@ -145,10 +158,13 @@ def tune_parse(
     out: Path,
     *,
     device: str = "cpu",
+    limits: TreeLimits | None = None,
+    linearization: str = "words",
 ) -> tuple[DecodeConfig, dict[str, Any]]:
     """Parse the development set at each beam x alpha and keep the best bracketing F1
     (aiayn's EVALB, COLLINS.prm); a tie goes to the setting listed first. `dev` is the
-    prefix of .words and .trees files; the trees parsed stay in `out`."""
+    prefix of .words and .trees files; the trees parsed stay in `out`. Decoding is
+    constrained (`decoding.tree_constraint`), within `limits`."""
     from aiayn.decoding.parse import parse_file
     from aiayn.scoring.evalb import COLLINS
     from aiayn.scoring.evalb import score_files as score_trees_files
@@ -163,7 +179,16 @@ def tune_parse(
         for alpha in alphas or (decode.alpha,):
             cfg = replace(decode, beam=beam, alpha=alpha, nbest=1)
             hyp = out / f"beam{beam}.alpha{alpha:g}.trees"
-            _, summary = parse_file(model, tokenizer, Path(f"{dev}.{SOURCE}"), hyp, cfg, device)
+            _, summary = parse_file(
+                model,
+                tokenizer,
+                Path(f"{dev}.{SOURCE}"),
+                hyp,
+                cfg,
+                device,
+                limits=limits,
+                linearization=linearization,
+            )
             s = score_trees_files(Path(f"{dev}.trees"), hyp, params).all
             tried.append(
                 {
@@ -185,6 +210,43 @@ def tune_parse(
         "tried": tried,
         "chosen": {"beam": best["beam"], "alpha": best["alpha"]},
     }
+
+
+def _limits(data: TaskData) -> TreeLimits:
+    """The tree constraint's bounds: the training targets' deepest nesting and longest run
+    of open brackets (`tree_limits`)."""
+    from aiayn.decoding.tree_constraint import TreeLimits, tree_limits
+
+    target = data.files.get("train_target")
+    if target is None or not Path(target).is_file():
+        return TreeLimits()
+    return tree_limits(list(read_lines(Path(target))))
+
+
+def _pcfg_baseline(data: TaskData, words: list[list[str]], out: Path) -> dict[str, Path]:
+    """The PCFG baseline (`aiayn.parsing.pcfg`: parent-annotated, Markovized, counted from
+    the gold training trees, CKY) over the test sentences, in RUN/test.pcfg.trees."""
+    import time
+
+    from aiayn.parsing.pcfg import Pcfg
+    from aiayn.parsing.trees import read_tree_lines
+
+    train = data.files.get("train_trees")
+    if train is None or not Path(train).is_file():
+        return {}
+    t0 = time.perf_counter()
+    grammar = Pcfg().train(tree for _, tree in read_tree_lines(train))
+    trees = [grammar.parse(w).to_string() for w in words]
+    path = out / "test.pcfg.trees"
+    write_text_atomic(path, "".join(f"{t}\n" for t in trees))
+    log.info(
+        "PCFG baseline: %d symbols, %d sentences parsed in %.1f s (%d without a parse)",
+        len(grammar.symbols),
+        len(trees),
+        time.perf_counter() - t0,
+        grammar.failures,
+    )
+    return {"pcfg": path}
 
 
 def _scores(summary: Any) -> dict[str, Any]:
@@ -242,12 +304,21 @@ def _score_all(
             binary = build_evalb(Path(evalb_source), work)
         except EvalbBuildError as e:
             log.warning("EVALB not built (%s): aiayn's scorer alone", e)
+            for name in systems:
+                scores[name]["evalb_error"] = f"not built: {e}"
             return scores
         params = Path(evalb_source) / "COLLINS.prm"
         for name, path in systems.items():
             if scores[name]["evalb_stops"]:
                 continue
-            ref = run_evalb(binary, gold, path, params)
+            try:
+                ref = run_evalb(binary, gold, path, params)
+            except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+                # an external scorer's failure (EVALB segfaults on some very long trees) is
+                # a result beside aiayn's own scores, never the end of an hour's run
+                log.warning("EVALB failed on %s (%s): aiayn's scores stand alone", name, e)
+                scores[name]["evalb_error"] = str(e)
+                continue
             scores[name]["evalb"] = _scores(ref.all)
             report = format_report(ours[name])
             write_text_atomic(work / f"{name}.aiayn.txt", report)
@@ -267,10 +338,14 @@ def format_parse_results(results: dict[str, Any]) -> str:
         f"checkpoints, {results['parameters']:,} params; beam {d['beam']}, alpha {d['alpha']:g}",
     ]
     for name, label in (
-        ("model", "model"),
+        ("model", "model, constrained"),
+        ("model_unconstrained", "model, free+repairs"),
         ("model_without_repairs", "model, no repairs"),
+        ("pcfg", "PCFG baseline"),
         ("right_branching", "right-branching"),
     ):
+        if name not in s:
+            continue
         ours = s[name]["aiayn"]
         row = (
             f"  {label:18s} F1 {ours['f1']:6.2f}  P {ours['precision']:6.2f}  "
@@ -280,10 +355,15 @@ def format_parse_results(results: dict[str, Any]) -> str:
             ev = s[name]["evalb"]
             same = "reports equal" if s[name]["reports_equal"] else "REPORTS DIFFER"
             row += f"; EVALB F1 {ev['f1']:6.2f} ({same})"
+        elif "evalb_error" in s[name]:
+            row += f"; EVALB failed: {s[name]['evalb_error'][:120]}"
         lines.append(row)
+    free = p.get("unconstrained", {})
     lines.append(
-        f"  ill-formed raw outputs: {p['ill_formed']} of {p['sentences']} (repaired); "
-        f"{p['sentences_per_s']:.2f} sentences/s, {p['output_tokens_per_s']:,.0f} output tokens/s"
+        f"  constrained: {p['ill_formed']} of {p['sentences']} outputs ill-formed, "
+        f"{p['sentences_per_s']:.2f} sentences/s; unconstrained: "
+        f"{free.get('ill_formed', '-')} ill-formed (repaired), "
+        f"{free.get('sentences_per_s', 0.0):.2f} sentences/s"
     )
     lines.append(
         f"  training: {t['steps']} steps, {t['epochs']} epochs, "
@@ -313,17 +393,34 @@ class Parsing:
     def fetch(
         self, dataset: str, out: Path, source: Path | None, options: dict[str, Any]
     ) -> list[str]:
-        """A treebank's splits as trees, words and linearized trees (--split: which files
-        make which split); without `source`, NLTK's sample, downloaded and verified."""
+        """A treebank's splits as trees, words and linearized trees: split by file
+        (--split) from a zip or folder, or from one file per split (--train, --dev, --test:
+        one-tree-per-line files like 02-21.10way.clean, relative to --from's folder or
+        here); without either, NLTK's sample, downloaded and verified."""
         from aiayn.data.download import download_ptb_sample
         from aiayn.parsing.ptb import DOWNLOAD_DIR, prepare_treebank
 
-        refuse_options(dataset, options, ("split",))
-        if source is None:
-            source = download_ptb_sample(out / DOWNLOAD_DIR)
-        elif not source.exists():
+        refuse_options(dataset, options, ("split", "train", "dev", "test"))
+        named = {s: options[s] for s in ("train", "dev", "test") if options.get(s)}
+        if named and len(named) < 3:
+            missing = [f"--{s}" for s in ("train", "dev", "test") if s not in named]
+            raise UsageError(f"{', '.join(missing)} missing: give each split's file, or none")
+        if source is not None and not source.exists():
             raise UsageError(f"--from {source}: no such file or directory")
-        manifest = prepare_treebank(source, out, split=options.get("split") or "auto")
+        if source is None and not named:
+            source = download_ptb_sample(out / DOWNLOAD_DIR)
+        files = None
+        if named:
+            base = source if source is not None and source.is_dir() else Path(".")
+            files = {
+                s: Path(f) if Path(f).is_absolute() or Path(f).exists() else base / f
+                for s, f in named.items()
+            }
+            for s, f in files.items():
+                if not f.is_file():
+                    raise UsageError(f"--{s} {named[s]}: no such file ({f})")
+        split = options.get("split") or "auto"
+        manifest = prepare_treebank(source, out, split=split, files=files)
         lines = [f"{split}: {json.dumps(info)}" for split, info in manifest["splits"].items()]
         return [*lines, f"{manifest['split']['summary']}; written to {out}"]
 
@@ -372,6 +469,8 @@ class Parsing:
             recipe.tune_alpha,
             ctx.out / "tune",
             device=ctx.device,
+            limits=_limits(data),
+            linearization=recipe.linearization,
         )
         ctx.wall["tune_s"] = time.perf_counter() - t0
         return tuned
@@ -385,32 +484,43 @@ class Parsing:
         from aiayn.parsing.trees import right_branching
 
         out = ctx.out
-        t0 = time.perf_counter()
         test = data.files["test"]
-        hyp = out / "test.trees"
-        result, summary = parse_file(
-            trained.model,
-            trained.tokenizer,
-            Path(f"{test}.{SOURCE}"),
-            hyp,
-            decode,
-            device=ctx.device,
-            raw_path=out / "test.lin",
-        )
-        ctx.wall["parse_s"] = time.perf_counter() - t0
+        limits = _limits(data)
+        summaries, results = {}, {}
+        for mode, suffix in (("constrained", ""), ("unconstrained", ".unconstrained")):
+            t0 = time.perf_counter()
+            results[mode], summaries[mode] = parse_file(
+                trained.model,
+                trained.tokenizer,
+                Path(f"{test}.{SOURCE}"),
+                out / f"test{suffix}.trees",
+                decode,
+                device=ctx.device,
+                raw_path=out / f"test{suffix}.lin",
+                constrained=mode == "constrained",
+                limits=limits,
+                linearization=ctx.recipe.linearization,
+            )
+            ctx.wall[f"parse_{mode}_s"] = time.perf_counter() - t0
+        free = results["unconstrained"]
         norepair = out / "test.norepair.trees"
-        write_text_atomic(norepair, "".join(f"{t}\n" for t in result.unrepaired()))
+        write_text_atomic(norepair, "".join(f"{t}\n" for t in free.unrepaired()))
         rightbranch = out / "test.rightbranch.trees"
         write_text_atomic(
-            rightbranch, "".join(f"{right_branching(w).to_string()}\n" for w in result.words)
+            rightbranch, "".join(f"{right_branching(w).to_string()}\n" for w in free.words)
         )
         gold = Path(f"{test}.trees")
-        scores = _score_all(
-            gold,
-            {"model": hyp, "model_without_repairs": norepair, "right_branching": rightbranch},
-            ctx.recipe.evalb,
-            out / "evalb",
-        )
+        systems = {
+            "model": out / "test.trees",
+            "model_unconstrained": out / "test.unconstrained.trees",
+            "model_without_repairs": norepair,
+            "right_branching": rightbranch,
+        }
+        systems.update(_pcfg_baseline(data, free.words, out))
+        scores = _score_all(gold, systems, ctx.recipe.evalb, out / "evalb")
+        summary = dict(summaries["constrained"])
+        summary["unconstrained"] = summaries["unconstrained"]
+        summary["tree_limits"] = {"max_depth": limits.max_depth, "max_opens": limits.max_opens}
         return Outcome(
             scores,
             results={"parse": summary},
