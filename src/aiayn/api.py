@@ -96,6 +96,7 @@ class Translator(_Loaded):
         max_len_a: float | None = None,
         max_len_b: int | None = None,
         max_tokens: int | None = None,
+        prefixes: Sequence[str] | None = None,
     ) -> list[str]: ...
 
     @overload
@@ -109,6 +110,7 @@ class Translator(_Loaded):
         max_len_a: float | None = None,
         max_len_b: int | None = None,
         max_tokens: int | None = None,
+        prefixes: Sequence[str] | None = None,
     ) -> list[list[Translation]]: ...
 
     def translate(
@@ -121,6 +123,7 @@ class Translator(_Loaded):
         max_len_a: float | None = None,
         max_len_b: int | None = None,
         max_tokens: int | None = None,
+        prefixes: Sequence[str] | None = None,
     ) -> list[str] | list[list[Translation]]:
         """Beam search, as `aiayn translate`: the best translation of each line, in input
         order ("" for a blank line); with nbest > 1, each line's `nbest` best outputs as
@@ -128,9 +131,11 @@ class Translator(_Loaded):
         length-normalised log-probability log P / ((5 + |Y|) / 6) ** alpha.
 
         Options default to the checkpoint's (the paper's: beam 4, alpha 0.6, output at
-        most input + 50 subwords); beam defaults to at least nbest.
+        most input + 50 subwords); beam defaults to at least nbest. `prefixes`: one target
+        text per line that its outputs begin with (`aiayn translate --prefix`; "" leaves
+        the line free).
         """
-        from aiayn.decoding.translate import translate_nbest
+        from aiayn.decoding.translate import prefix_constraint, translate_nbest
 
         lines = _lines(lines, "translate")
         if beam is not None and nbest > beam:
@@ -143,7 +148,16 @@ class Translator(_Loaded):
             max_len_b=max_len_b,
             max_tokens=max_tokens,
         )
-        outputs, _ = translate_nbest(self.model, self.tokenizer, lines, cfg, self.device)
+        constraint_for = None
+        if prefixes is not None:
+            prefixes = _lines(prefixes, "translate")
+            if len(prefixes) != len(lines):
+                raise ValueError(f"{len(prefixes)} prefixes for {len(lines)} lines")
+            vocab = int(self.tokenizer.vocab_size)
+            constraint_for = prefix_constraint(self.tokenizer, prefixes, vocab, self.device)
+        outputs, _ = translate_nbest(
+            self.model, self.tokenizer, lines, cfg, self.device, constraint_for=constraint_for
+        )
         if nbest == 1:
             return [o[0].text if o else "" for o in outputs]
         return outputs

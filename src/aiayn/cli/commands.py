@@ -270,6 +270,10 @@ def cmd_translate(args: argparse.Namespace) -> int:
     sampling = sampling_options(args)
     if args.input == "-":
         args.input = None
+    if args.prefix is not None and (args.input is None or sampling is not None):
+        raise UsageError(
+            "--prefix needs --input FILE (its lines pair with the input's), not --sampling"
+        )
     extra = {"decode.beam": 1} if args.greedy else {}
     model, tokenizer, cfg = _load_decoder(args, ("output",), extra)
     # lines done, on stderr, only when it is a terminal (the JSON summary follows it)
@@ -288,6 +292,7 @@ def cmd_translate(args: argparse.Namespace) -> int:
                 progress=bar.update,
                 workers=args.workers,
                 sampling=sampling,
+                prefix_path=args.prefix,
             )
     finally:
         bar.close()

@@ -89,6 +89,15 @@ examples:
         "lines (default: the checkpoint's, 1: the best translation only)",
     )
     p.add_argument(
+        "--prefix",
+        metavar="FILE",
+        help="prefix-constrained decoding: FILE has one line per input line (plain or "
+        ".gz), and each translation begins with its line of it (target text; a blank line "
+        "leaves its translation free), as an interactive translator continues what its "
+        "user accepted; scores cover the whole output. Needs --input FILE; not with "
+        "--sampling",
+    )
+    p.add_argument(
         "--max-tokens",
         type=int,
         metavar="TOKENS",

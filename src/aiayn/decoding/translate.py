@@ -36,12 +36,12 @@ from torch import Tensor
 
 from aiayn.config import EOS_ID, PAD_ID, UNK_ID, DecodeConfig
 from aiayn.data.batching import decode_batches
-from aiayn.decoding.constraints import Constraint
+from aiayn.decoding.constraints import Constraint, ForcedPrefix
 from aiayn.decoding.ensemble import Ensemble
 from aiayn.decoding.sampling import SamplingOptions, sample
 from aiayn.decoding.search import Hypothesis, beam_search, position_limit
 from aiayn.decoding.workers import check_workers, map_batches
-from aiayn.files import atomic_write, read_bytes
+from aiayn.files import InputError, atomic_write, read_bytes
 from aiayn.model import Transformer
 
 logger = logging.getLogger(__name__)
@@ -301,6 +301,27 @@ def format_output(i: int, outputs: list[Translation], nbest: int) -> str:
     return "".join(f"{i} ||| {t.text} ||| {t.score:.6f}\n" for t in outputs)
 
 
+def prefix_constraint(
+    tokenizer: SubwordTokenizer,
+    prefixes: Sequence[str],
+    vocab_size: int,
+    device: str | torch.device = "cpu",
+) -> Callable[[list[int]], Constraint]:
+    """`translate_nbest`'s `constraint_for` that makes line i's output begin with
+    `prefixes[i]` (target text, subword-encoded with the target side's model; a blank
+    prefix leaves its line free): prefix-constrained decoding, as an interactive
+    translator continues what its user accepted. The search then goes on freely; the
+    score covers the whole output, prefix included. A prefix longer than the line's output
+    cap is cut at the cap."""
+    target = getattr(tokenizer, "target", tokenizer)
+    ids = [target.encode(p) if p.strip() else [] for p in prefixes]
+
+    def constraint_for(batch: list[int]) -> Constraint:
+        return ForcedPrefix([ids[i] for i in batch], vocab_size, device)
+
+    return constraint_for
+
+
 def translate_file(
     model: Decoder,
     tokenizer: SubwordTokenizer,
@@ -311,9 +332,12 @@ def translate_file(
     progress: Callable[[int], None] | None = None,
     workers: int = 1,
     sampling: SamplingOptions | None = None,
+    prefix_path: str | Path | None = None,
 ) -> dict[str, Any]:
     """Translate a file (or stdin) into a file (atomically, F13) or stdout; with
-    `sampling`, draw `sampling.n` outputs a line (see `translate_nbest`).
+    `sampling`, draw `sampling.n` outputs a line (see `translate_nbest`); with
+    `prefix_path`, a file of as many lines as the input, each output begins with its line
+    of it (`prefix_constraint`).
 
     Returns:
         Summary: lines, empty, truncated, unk_tokens and unk_lines (source subwords
@@ -328,12 +352,31 @@ def translate_file(
             "%s: empty input, writing no output lines",
             input_path if input_path is not None else "<stdin>",
         )
+    constraint_for = None
+    if prefix_path is not None:
+        prefixes, bad_prefix = read_input(prefix_path)
+        if len(prefixes) != len(lines):
+            raise InputError(
+                f"{prefix_path}: {len(prefixes)} prefix lines for the "
+                f"{len(lines)} lines of {input_path if input_path is not None else '<stdin>'}"
+            )
+        bad += bad_prefix
+        vocab = int(tokenizer.vocab_size)  # type: ignore[attr-defined]
+        constraint_for = prefix_constraint(tokenizer, prefixes, vocab, device)
     with contextlib.ExitStack() as stack:
         # the output's temporary file exists before decoding starts: a path that cannot be
         # written fails now, not after minutes of work
         out = None if output_path is None else stack.enter_context(atomic_write(output_path, "w"))
         nbest, stats = translate_nbest(
-            model, tokenizer, lines, cfg, device, progress, workers, sampling
+            model,
+            tokenizer,
+            lines,
+            cfg,
+            device,
+            progress,
+            workers,
+            sampling,
+            constraint_for=constraint_for,
         )
         n = cfg.nbest if sampling is None else sampling.n
         text = "".join(format_output(i, outputs, n) for i, outputs in enumerate(nbest))
