@@ -563,6 +563,12 @@ def test_parse_refuses_an_empty_sentence_naming_its_line(run_dir: Path, tmp_path
     assert not out.exists()
     code, _, err = cli(*args, "--input", words, "--output", words)
     assert code == 2  # an output over its input, refused before loading anything
+    code, _, err = cli(*args, "--input", words, "--max-depth", "0")
+    assert code == 2
+    assert_one_line_error(err, "--max-depth must be >= 1, got 0")
+    code, _, err = cli(*args, "--input", words, "--limits-from", tmp_path / "none.linw")
+    assert code == 1
+    assert_one_line_error(err, "none.linw: no such file")
 
 
 def test_new_commands_refuse_bad_paths_and_numbers_in_one_line(tmp_path: Path) -> None:

@@ -226,6 +226,27 @@ def test_parse_recipe_runs_end_to_end_and_both_scorers_agree(tmp_path, monkeypat
     assert main(args) == 0  # rerun: training done, the later stages redone, same scores
     again = json.loads((out / "results.json").read_text())
     assert again["scores"] == scores and again["train"]["steps"] == 8
+    # `aiayn parse` on the run's model: constrained within the limits given, and free
+    words = out / "data" / "test.first10.words"
+    ckpt = str(out / "checkpoint_avg.pt")
+    tight = out / "tight.lin"
+    base = ["parse", "--checkpoint", ckpt, "--input", str(words), "--no-progress"]
+    extra = ["--beam", "2", "--max-len-b", "10"]
+    limits = ["--limits-from", str(out / "data" / "train.mixed.linw"), "--max-depth", "2"]
+    assert main([*base, *extra, *limits, "--output", str(out / "tight.trees"),
+                 "--raw-output", str(tight)]) == 0  # fmt: skip
+    summary = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
+    assert summary["constrained"] and summary["ill_formed"] == 0
+    for raw in read_lines(tight):
+        depth = deepest = 0
+        for tok in raw.split():
+            depth += tok[0] == "(" and len(tok) > 1
+            depth -= tok[0] == ")" and len(tok) > 1
+            deepest = max(deepest, depth)
+        assert 1 <= deepest <= 2
+    assert main([*base, *extra, "--no-constrained", "--output", str(out / "free.trees")]) == 0
+    summary = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
+    assert not summary["constrained"] and summary["sentences"] == 10
 
 
 def test_a_missing_evalb_source_is_refused_before_training(tmp_path):

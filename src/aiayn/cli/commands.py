@@ -343,8 +343,14 @@ def cmd_parse(args: argparse.Namespace) -> int:
     limits = TreeLimits()
     if args.limits_from:
         limits = tree_limits(list(read_lines(Path(args.limits_from))))
-    limits = TreeLimits(args.max_depth or limits.max_depth, args.max_opens or limits.max_opens)
-    limits.validate()
+    for flag in ("max_depth", "max_opens"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    limits = TreeLimits(
+        limits.max_depth if args.max_depth is None else args.max_depth,
+        limits.max_opens if args.max_opens is None else args.max_opens,
+    )
     model, tokenizer, cfg = _load_decoder(args, ("output", "raw_output"), {"decode.nbest": 1})
     bar = tqdm(unit=" lines", disable=args.no_progress or None, dynamic_ncols=True, file=sys.stderr)
     try:
