@@ -21,7 +21,8 @@ from aiayn.decoding.parse import (
 from aiayn.decoding.translate import Translation, translate_lines, translate_nbest
 from aiayn.files import InputError
 from aiayn.model import Transformer
-from aiayn.parsing.trees import delinearize, parse_tree
+from aiayn.parsing.linearize import delinearize
+from aiayn.parsing.trees import parse_tree
 from aiayn.scoring.evalb import COLLINS, score_trees
 from aiayn.scoring.evalb_reference import build_evalb, run_evalb
 from helpers import ROOT

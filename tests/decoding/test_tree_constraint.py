@@ -24,7 +24,8 @@ from aiayn.decoding.tree_constraint import (
     tree_limits,
 )
 from aiayn.model import Transformer
-from aiayn.parsing.trees import delinearize, parse_tree
+from aiayn.parsing.linearize import delinearize
+from aiayn.parsing.trees import parse_tree
 
 LABELS = ("A", "B")
 BRACKETS = Brackets(LABELS, (10, 11), (12, 13))

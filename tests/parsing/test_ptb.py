@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from aiayn.files import InputError, UsageError, sha256_file
+from aiayn.parsing.linearize import delinearize, linearize, punctuation_tags
 from aiayn.parsing.ptb import (
     MANIFEST_FILE,
     OUTPUT_FILES,
@@ -22,15 +23,7 @@ from aiayn.parsing.ptb import (
     split_of,
     tree_file_to_pairs,
 )
-from aiayn.parsing.trees import (
-    Tree,
-    clean,
-    delinearize,
-    linearize,
-    parse_tree,
-    punctuation_tags,
-    read_tree_lines,
-)
+from aiayn.parsing.trees import Tree, clean, parse_tree, read_tree_lines
 from helpers import ROOT
 
 SAMPLE = ROOT.parent / "shared" / "data" / "ptb-sample" / "treebank.zip"

@@ -11,22 +11,24 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aiayn.files import InputError
+from aiayn.parsing.linearize import (
+    Repairs,
+    delinearize,
+    linearize,
+    punctuation_tag,
+    punctuation_tags,
+    right_branching,
+)
 from aiayn.parsing.trees import (
     PLACEHOLDER,
     ROOT_LABEL,
     MalformedTreeError,
-    Repairs,
     Tree,
     clean,
     clean_label,
-    delinearize,
-    linearize,
     parse_tree,
-    punctuation_tag,
-    punctuation_tags,
     read_tree_lines,
     read_trees,
-    right_branching,
 )
 
 CAT = "(S (NP (DT the) (NN cat)) (VP (VBD sat)) (. .))"

@@ -1,7 +1,7 @@
 """Parse sentences (section 6.3): translate words into a linearized tree, then rebuild it.
 
 The model is a translation model whose target language is a linearized tree
-(`aiayn.parsing.trees.linearize`: "(S (NP Pierre Vinken )NP ... )S", or GAFL's XX for each
+(`aiayn.parsing.linearize.linearize`: "(S (NP Pierre Vinken )NP ... )S", or GAFL's XX for each
 word); the same beam search decodes it, with the parser's settings (beam 21, alpha 0.3,
 output length <= input + 300).
 
@@ -42,7 +42,8 @@ from aiayn.config import UNK_ID, DecodeConfig
 from aiayn.decoding.translate import Decoder, SubwordTokenizer, read_input, translate_nbest
 from aiayn.decoding.tree_constraint import Brackets, TreeConstraint, TreeLimits, bracket_tokens
 from aiayn.files import InputError, atomic_write
-from aiayn.parsing.trees import PLACEHOLDER, Repairs, delinearize, punctuation_tag
+from aiayn.parsing.linearize import Repairs, delinearize, punctuation_tag
+from aiayn.parsing.trees import PLACEHOLDER
 
 logger = logging.getLogger(__name__)
 

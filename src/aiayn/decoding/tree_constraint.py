@@ -2,7 +2,7 @@
 input's words, by construction (section 6.3 decoded under a grammar of trees).
 
 A `Constraint` (`aiayn.decoding.constraints`) for `beam_search`. The target language is
-`aiayn.parsing.trees.linearize`'s: `(S (NP Pierre Vinken )NP , ... )S`, each bracket one
+`aiayn.parsing.linearize.linearize`'s: `(S (NP Pierre Vinken )NP , ... )S`, each bracket one
 subword piece, each word its own pieces (or XX's, for GAFL's target). After a prefix, the
 tokens allowed next are:
 

@@ -18,7 +18,7 @@ Counted from the training trees (`Pcfg.train`), in four steps:
    once; then unary closure), undone to the treebank's form (no @ symbols, no ^ parents).
 
 Tags: the tree's pre-terminals are the PCFG's own tags, except punctuation, tagged by form
-(`trees.punctuation_tags`) as the Transformer's trees are, so EVALB deletes the same words
+(`linearize.punctuation_tags`) as the Transformer's trees are, so EVALB deletes the same words
 in both. A sentence with no parse (every word's tags unreachable from the root: rare) gets
 the right-branching tree and is counted (`Pcfg.failures`).
 """
@@ -31,7 +31,8 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from aiayn.parsing.trees import Tree, punctuation_tags, right_branching
+from aiayn.parsing.linearize import punctuation_tags, right_branching
+from aiayn.parsing.trees import Tree
 
 #: The root symbol of every training tree and of every parse.
 ROOT = "TOP"

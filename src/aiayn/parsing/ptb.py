@@ -40,11 +40,11 @@ from aiayn.files import (
     sha256_file,
     write_text_atomic,
 )
+from aiayn.parsing.linearize import linearize
 from aiayn.parsing.trees import (
     Tree,
     clean,
     decode_lines,
-    linearize,
     read_tree_lines,
     read_trees,
     trees_from_lines,
