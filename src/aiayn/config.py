@@ -2,6 +2,10 @@
 
 Names follow the paper (section 3, section 5, Table 3): N, d_model, d_ff, h, d_k, d_v, P_drop,
 eps_ls, warmup_steps. Only the CLI turns strings into configs (see :func:`apply_overrides`).
+
+Long because it is the one place every setting is written, with its default and a line on
+what it is (the CLI's flags are checked against these defaults: tests/test_cli_defaults.py);
+the presets of Table 3 sit beside the fields they set.
 """
 
 from __future__ import annotations

@@ -50,6 +50,10 @@ compiler and the CPU's feature flags, and loaded with ctypes.
 Without a compiler, if the build fails, or with `AIAYN_NO_NATIVE=1`, `library()` is None
 and the callers use PyTorch ops: the same results up to float rounding
 (tests/fast/test_native.py compares them).
+
+Long because it is the one binding to the compiled library: the build and its cache key,
+then one thin ctypes wrapper per kernel, each checking its tensors' shapes and dtypes
+before handing C a pointer; one loader for all keeps them built and versioned together.
 """
 
 from __future__ import annotations
