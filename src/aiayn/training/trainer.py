@@ -15,6 +15,10 @@ Read `run` (the loop) and `_update` (one step and the guards' answers) first.
 The loop is deterministic: batches come from (seed, epoch) alone and dropout is reseeded
 from (seed, step, rank) before every update, so a run resumed from a checkpoint repeats
 an uninterrupted one exactly (fairseq does the same).
+
+Long because the Trainer's set-up builds the objects it holds (the model, its optimizer and
+scaler, the guards, the checkpoints, the validator, the log) from one config, and the loop
+reads best beside what it was given; the objects themselves are their own modules.
 """
 
 from __future__ import annotations
