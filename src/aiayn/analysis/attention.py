@@ -29,7 +29,7 @@ from aiayn.analysis import plots
 from aiayn.config import BOS_ID, EOS_ID, DecodeConfig
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.decoding.search import beam_search
-from aiayn.files import UsageError
+from aiayn.files import UsageError, write_text_atomic
 from aiayn.model import MultiHeadAttention, Transformer
 
 #: The three kinds of attention in the model (section 3.2.3), as the JSON names them.
@@ -198,7 +198,7 @@ def write_json(maps: AttentionMaps, path: Path) -> Path:
     """The tokens, the translation and every weight (float32 values, as the model
     computed them) as JSON."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(maps.to_dict()) + "\n", encoding="utf-8")
+    write_text_atomic(path, json.dumps(maps.to_dict()) + "\n")
     return path
 
 
