@@ -18,6 +18,7 @@ LAYERS = {
     "config": 0,
     "cpu_isa": 0,
     "files": 0,
+    "processes": 0,
     "model": 1,
     "scoring": 1,
     "fast": 2,

@@ -22,6 +22,7 @@ from aiayn.cli.environment import (
 )
 from aiayn.config import ConfigError
 from aiayn.files import UsageError
+from aiayn.processes import Terminated, raise_on_sigterm
 
 __all__ = ["MALLOC_ENV", "ONEDNN_PRIMITIVE_CACHE_CAPACITY", "build_parser", "main"]
 
@@ -66,10 +67,26 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     func: Callable[[argparse.Namespace], int] = args.func
+    raise_on_sigterm()
     try:
+        from aiayn.cli.extras import require
+
+        require(args.command)  # an optional dependency missing: said now, not after the work
         code = func(args)
         sys.stdout.flush()  # a reader that went away shows here, inside the handler below
         return code
+    except KeyboardInterrupt as e:
+        # Ctrl-C (twice, for train) or SIGTERM: everything below has unwound, so partial
+        # outputs are removed (files.atomic_write) and workers ended (aiayn.processes)
+        terminated = isinstance(e, Terminated)
+        what = "terminated (SIGTERM)" if terminated else "interrupted (Ctrl-C)"
+        after = (
+            "the run resumes from its last checkpoint with the same command"
+            if args.command in ("train", "recipe", "table3")
+            else "no partial output left"
+        )
+        print(f"aiayn {args.command}: {what}: stopped; {after}", file=sys.stderr)
+        return 143 if terminated else 130
     except BrokenPipeError:
         # the reader went away (`aiayn evaluate ... | head`): stop quietly, as `cat` does;
         # stdout goes to /dev/null so that the interpreter's final flush cannot fail too
@@ -88,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
         # the system refused (a full disk, a read-only directory): what and where, in one
         # line; everything written so far is intact (outputs are written atomically)
         log.debug("traceback", exc_info=True)
-        where = f": {e.filename}" if e.filename and str(e.filename) not in str(e) else ""
-        print(f"aiayn {args.command}: error: {e.strerror or e}{where}", file=sys.stderr)
+        message = str(e.strerror or e)
+        for name in (e.filename, e.filename2):  # the path, once (the bare error names none)
+            if name and str(name) not in message:
+                message += f": {name}"
+        print(f"aiayn {args.command}: error: {message}", file=sys.stderr)
         return 4
