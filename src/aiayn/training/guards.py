@@ -431,6 +431,7 @@ class TrainerGuards:
         t, step = self.cfg.train, self.state.step + 1
         culprit = "not checked on this rank"
         path = self.run_dir / f"crash-{step}.pt"
+        where = f"is in {path}"
         if self.dist.is_main:
             culprit = find_nonfinite(self.model, self._last_batches[-1], self.device, t.dtype)
             try:
@@ -448,12 +449,13 @@ class TrainerGuards:
                 )
             except ckpt_lib.CheckpointError as e:
                 log.error("could not write %s: %s", path, e)
+                where = f"could not be saved ({path.name} was not written: {e})"
             self._log({"step": step, "event": "crash", "first_nonfinite": culprit})
         self.dist.barrier()
         return TrainingError(
             f"{consecutive} consecutive non-finite updates at step {step}: "
             f"stopping. First non-finite: {culprit}. The model of step "
-            f"{self.state.step} is in {path}; checkpoints are untouched."
+            f"{self.state.step} {where}; checkpoints are untouched."
         )
 
     def _diverged(self, losses: list[float]) -> bool:
