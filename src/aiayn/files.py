@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import glob
 import gzip
 import hashlib
 import io
@@ -47,8 +48,9 @@ log = logging.getLogger(__name__)
 
 #: The name that means standard output, as for Unix tools.
 STDOUT = "-"
-#: Paths that are this process's own standard output: written to sys.stdout directly.
-_STDOUT_ALIASES = ("/dev/stdout", "/dev/fd/1", "/proc/self/fd/1")
+#: Paths that name one of this process's own descriptors: written through that descriptor.
+_FD_ALIASES = {"/dev/stdin": 0, "/dev/stdout": 1, "/dev/stderr": 2}
+_FD_PATH = re.compile(r"/(?:dev/fd|proc/self/fd|proc/(\d+)/fd)/(\d+)")
 #: The files of a training run (aiayn.checkpoints.io's names; this module is below it).
 _RUN_FILE = re.compile(
     r"(checkpoint_(\d+|last|best)\.pt(\.sha256)?|config\.json|train_log\.jsonl|trainer\.lock)"
@@ -82,16 +84,18 @@ def output_kind(path: str | Path) -> str:
     device or FIFO, also through a symlink: written in place, never renamed over),
     "symlink" (to a regular file, or dangling: written through to the target), "directory",
     "block" (a block device), "socket", "file" (an existing regular file) or "new"."""
-    text = str(path)
-    if text == STDOUT or text in _STDOUT_ALIASES:
+    fd = _own_fd(path)
+    if str(path) == STDOUT or fd == 1:
         return "stdout"
+    if fd is not None:
+        return "stream"
     try:
         st = os.stat(path)  # follows symlinks
     except FileNotFoundError:
         return "symlink" if os.path.islink(path) else "new"
     except OSError:
         return "new"
-    if stat.S_ISCHR(st.st_mode) or stat.S_ISFIFO(st.st_mode):
+    if stat.S_ISCHR(st.st_mode) or stat.S_ISFIFO(st.st_mode) or _through_fd(path):
         return "stream"
     if stat.S_ISDIR(st.st_mode):
         return "directory"
@@ -100,6 +104,33 @@ def output_kind(path: str | Path) -> str:
     if stat.S_ISSOCK(st.st_mode):
         return "socket"
     return "symlink" if os.path.islink(path) else "file"
+
+
+def _own_fd(path: str | Path) -> int | None:
+    """The descriptor of this process that `path` names (/dev/stderr, /dev/fd/2,
+    /proc/self/fd/2), or None."""
+    if str(path) == STDOUT:
+        return None
+    text = os.path.abspath(path)
+    if text in _FD_ALIASES:
+        return _FD_ALIASES[text]
+    m = _FD_PATH.fullmatch(text)
+    if m and (m.group(1) is None or int(m.group(1)) == os.getpid()):
+        return int(m.group(2))
+    return None
+
+
+def _through_fd(path: str | Path) -> bool:
+    """Whether `path` is, or links through, an open descriptor (/dev/stderr, /dev/fd/N,
+    /proc/PID/fd/N): whatever it points at is written in place, as `cmd 2>log` expects."""
+    text = os.path.abspath(path)
+    for _ in range(40):
+        if text.startswith(("/proc/", "/dev/fd/")):
+            return True
+        if not os.path.islink(text):
+            return False
+        text = os.path.join(os.path.dirname(text), os.readlink(text))
+    return False
 
 
 def run_file(path: str | Path) -> str | None:
@@ -314,6 +345,14 @@ def _write_in_place(path: str | Path, mode: str) -> Iterator[IO]:
         yield stream
         stream.flush()
         return
+    fd = _own_fd(path)
+    if fd is not None:  # /dev/stderr: through the descriptor itself, sharing its offset
+        sys.stderr.flush()
+        with open(os.dup(fd), mode, **text) as f:
+            yield f
+        return
+    if stat.S_ISREG(os.stat(path).st_mode):  # another's /proc/PID/fd/N on a file: add to it
+        mode = mode.replace("w", "a")
     try:
         with open(path, mode, **text) as f:
             yield f
@@ -346,6 +385,7 @@ def atomic_write(path: str | Path, mode: str = "wb") -> Iterator[IO]:
             yield f
         return
     path = Path(os.path.realpath(path)) if kind == "symlink" else Path(path)
+    remove_orphaned_tmp(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         text: dict[str, Any] = {} if "b" in mode else {"encoding": "utf-8", "newline": "\n"}
@@ -374,6 +414,31 @@ def atomic_write(path: str | Path, mode: str = "wb") -> Iterator[IO]:
 def write_text_atomic(path: str | Path, text: str) -> None:
     with atomic_write(path, "w") as f:
         f.write(text)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
+def remove_orphaned_tmp(path: str | Path) -> list[Path]:
+    """Delete the temporary files of earlier writes of `path` whose writer is dead (killed
+    with SIGKILL, which no handler sees): `.<name>.<pid>.tmp` with no process `pid`."""
+    path = Path(path)
+    removed = []
+    for p in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+        pid = p.name[len(path.name) + 2 : -len(".tmp")]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            with contextlib.suppress(OSError):
+                p.unlink()
+                removed.append(p)
+                log.info("removed %s, left by a writer that was killed", p)
+    return removed
 
 
 def remove_stale_tmp(directory: str | Path) -> list[Path]:
