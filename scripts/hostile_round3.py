@@ -138,6 +138,8 @@ def signalled(
 
 def no_leftovers(what: str = "hang") -> Callable[[Result], str | None]:
     def check(r: Result) -> str | None:
+        if "no workers were seen" in r[2]:
+            return "other: no worker processes were seen to check"
         if "leftover processes: 0" not in r[2]:
             line = [x for x in r[2].splitlines() if x.startswith("leftover")][-1]
             return f"{what}: workers outlived their parent ({line})"
@@ -265,15 +267,16 @@ def kill9_serve_workers(p: dict[str, Path]) -> Callable[[], Result]:
                 time.sleep(0.1)
         workers = descendants(proc.pid)
         proc.kill()
-        code, out, err, seconds = finish(proc, 30, t0)
-        for _ in range(100):
-            left = [pid for pid in workers if Path(f"/proc/{pid}").exists()]
-            left = [x for x in left if "Z" not in _state(x)]
+        proc.wait()  # not communicate(): orphaned workers would hold its pipes open
+        seconds = time.perf_counter() - t0
+        for _ in range(50):
+            left = [pid for pid in workers if _state(pid) != "Z"]
             if not left:
                 break
             time.sleep(0.1)
         for pid in left:
             os.kill(pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=30)
         if not workers:
             err += "\nno workers were seen"
         return 0, out, err + f"\nleftover processes: {len(left)}", seconds
@@ -507,7 +510,7 @@ def cases(p: dict[str, Path], case: Any, tiny: list[str], multi30k: Path) -> lis
 
         for lang in ("en", "de"):
             with gzip.open(multi30k / f"train.{lang}.gz", "rb") as f:
-                (p["tmp"] / f"big.{lang}").write_bytes(f.read())
+                (p["tmp"] / f"big.{lang}").write_bytes(f.read() * 3)  # long enough to stop
     prep_big = ["prepare", "-s", "en", "-t", "de", "--trainpref", str(bigpref)]
     r3 = ["train", s["prep"], "--out", s["tmp"] + "/r3run"]
     return [

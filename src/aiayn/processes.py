@@ -53,6 +53,14 @@ def raise_on_sigterm() -> None:
         signal.signal(signal.SIGTERM, _raise_terminated)
 
 
+def ignore_stop_signals() -> None:
+    """SIGINT and SIGTERM ignored from now on (main thread only): for a command whose
+    work is finished, so that a late signal cannot change its exit code."""
+    with contextlib.suppress(ValueError):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def _watch_parent(parent: int) -> None:
     while True:
         time.sleep(1.0)

@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import logging
 import os
+import signal
 import sys
 from collections.abc import Callable
 
@@ -22,7 +23,7 @@ from aiayn.cli.environment import (
 )
 from aiayn.config import ConfigError
 from aiayn.files import UsageError
-from aiayn.processes import Terminated, raise_on_sigterm
+from aiayn.processes import Terminated, ignore_stop_signals, raise_on_sigterm
 
 __all__ = ["MALLOC_ENV", "ONEDNN_PRIMITIVE_CACHE_CAPACITY", "build_parser", "main"]
 
@@ -55,7 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     """Run `aiayn ARGV` (default: sys.argv[1:]) and return its exit code.
 
     Given no `argv` (the console script), heavy subcommands may re-execute the process
-    once with allocator settings; given one (in-process callers), never.
+    once with allocator settings, SIGTERM raises `Terminated` (as Ctrl-C raises
+    KeyboardInterrupt) and, once the command is done, late stop signals are ignored; given
+    one (in-process callers), none of that outlives the call.
     """
     reexec = argv is None
     if argv is None:
@@ -67,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     func: Callable[[argparse.Namespace], int] = args.func
+    previous = signal.getsignal(signal.SIGTERM)
     raise_on_sigterm()
     try:
         from aiayn.cli.extras import require
@@ -74,6 +78,11 @@ def main(argv: list[str] | None = None) -> int:
         require(args.command)  # an optional dependency missing: said now, not after the work
         code = func(args)
         sys.stdout.flush()  # a reader that went away shows here, inside the handler below
+        # the work is done and its code decided: a Ctrl-C or SIGTERM during the
+        # interpreter's teardown (which resets Python's handlers) must not turn it into a
+        # death by signal
+        if reexec:
+            ignore_stop_signals()
         return code
     except KeyboardInterrupt as e:
         # Ctrl-C (twice, for train) or SIGTERM: everything below has unwound, so partial
@@ -111,3 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                 message += f": {name}"
         print(f"aiayn {args.command}: error: {message}", file=sys.stderr)
         return 4
+    finally:
+        if not reexec and previous is not None:
+            with contextlib.suppress(ValueError):  # not the main thread
+                signal.signal(signal.SIGTERM, previous)
