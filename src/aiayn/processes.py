@@ -96,18 +96,16 @@ def worker_init(parent: int | None = None) -> None:
 
 
 @contextlib.contextmanager
-def sigint_ignored() -> Iterator[None]:
-    """Ignore SIGINT in this process while it starts workers, so that they start with it
-    ignored (a spawned interpreter keeps an ignored SIGINT): a Ctrl-C while a worker is
-    still importing prints no traceback from it. Only in the main thread."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+def sigint_deferred() -> Iterator[None]:
+    """Block SIGINT in this thread while it starts workers: they inherit the blocked mask
+    (across exec too), so a Ctrl-C while a worker is still importing prints no traceback
+    from it; here the signal stays pending and is delivered when the block ends (it is
+    not lost, as ignoring it would lose it)."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def end_pool(pool: Any) -> None:

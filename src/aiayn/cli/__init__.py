@@ -63,8 +63,12 @@ def main(argv: list[str] | None = None) -> int:
     reexec = argv is None
     if argv is None:
         argv = sys.argv[1:]
-    apply_process_settings(argv, reexec=reexec)
-    args = build_parser().parse_args(argv)
+    try:
+        apply_process_settings(argv, reexec=reexec)
+        args = build_parser().parse_args(argv)
+    except KeyboardInterrupt:  # Ctrl-C before any work: nothing to clean up
+        print("aiayn: interrupted (Ctrl-C): stopped before any work", file=sys.stderr)
+        return 130
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

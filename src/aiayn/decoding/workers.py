@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from aiayn.processes import end_pool, sigint_ignored, worker_init
+from aiayn.processes import end_pool, sigint_deferred, worker_init
 
 T = TypeVar("T")
 
@@ -109,7 +109,7 @@ def _map_batches(
             min(workers, n), mp_context=mp.get_context("fork"), initializer=_init_worker
         )
         try:
-            with sigint_ignored():  # the forks start with Ctrl-C left to this process
+            with sigint_deferred():  # the forks start with Ctrl-C left to this process
                 pending = {pool.submit(_run, i) for i in range(n)}
             while pending:
                 finished, pending = wait(pending, return_when=FIRST_EXCEPTION)
