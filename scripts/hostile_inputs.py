@@ -2,21 +2,32 @@
 of thing, each numeric argument at its edges, each file format truncated or corrupted.
 
 Each case runs `aiayn ...` in a fresh process (with a time limit) and is judged:
-  ok       exit 0 where that is right (a harmless edge), or the documented refusal:
-           exit 1, 2 or 4 with exactly one `error:` line on stderr and no traceback
-  BAD      a traceback, a hang, a crash by signal, exit 0 where work should have been
-           refused, or an error message of several lines
+  ok           exit 0 where that is right (a harmless edge), or the documented refusal:
+               exit 1, 2 or 4 with exactly one `error:` line on stderr and no traceback
+  data lost    a file that was there is replaced or damaged (a device node, a symlink, a
+               run's manifest), or a partial output or temporary file is left
+  silent       exit 0 where work should have been refused, or a fault not said
+               (a model weighted twice, a setting dropped on resume)
+  traceback    a traceback, a crash by signal, a server answer that is not JSON
+  hang         a time-out, or worker processes left alive after their parent ended
+  other        a wrong exit code, an error message of several lines, a message that
+               misleads (a flag that does not exist)
 
-    python scripts/hostile_inputs.py [--only train,translate] [--json FILE]
+    python scripts/hostile_inputs.py [--only train,translate] [--json FILE] [--round 1,3]
+
+Round 3 (scripts/hostile_round3.py, issue 71) adds output paths of every kind, a run's own
+files as outputs, duplicated checkpoints, NaN settings, resume settings, Ctrl-C and
+SIGTERM, hostile JSON to the server, missing optional extras and corrupt compressed input.
 
 It builds what it needs (a tiny prepared data set and a 4-step run) in a temporary
 directory from ../shared/data/multi30k. Its findings, and what was done about them, are
-in docs/reliability.md ("A hostile user's inputs").
+in docs/reliability.md ("Rows added for a careless user", and its figures).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import json
 import os
@@ -24,12 +35,23 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import hostile_round3  # noqa: E402  (beside this script)
 
 ROOT = Path(__file__).resolve().parents[1]
 MULTI30K = ROOT.parent / "shared" / "data" / "multi30k"
 ENV = {**os.environ, "AIAYN_NO_MALLOC_TUNING": "1", "OMP_NUM_THREADS": "1"}
+# the tries run in the temporary directory: a relative PYTHONPATH must not change meaning
+if os.environ.get("PYTHONPATH"):
+    ENV["PYTHONPATH"] = os.pathsep.join(
+        os.path.abspath(x) for x in os.environ["PYTHONPATH"].split(os.pathsep) if x
+    )
+os.environ["PYTHONPATH"] = ENV.get("PYTHONPATH", "")
 TINY = [
     "--preset",
     "tiny",
@@ -51,42 +73,113 @@ TINY = [
 ]
 
 
+CLASSES = ("data lost", "silent", "traceback", "hang", "other")
+
+
 @dataclass
 class Case:
     command: str
     what: str
     argv: list[str]
     ok_codes: tuple[int, ...] = (1, 2, 4)  # refusals; add 0 where success is right
+    check: Callable[[Any], str | None] | None = None  # after the run: a verdict, or None
+    check_factory: Callable[[], Callable[[Any], str | None]] | None = None  # made at run time
+    run_factory: Callable[[list[str]], Callable[[], Any]] | None = None  # instead of a run
+    setup: list[str] | None = None  # `aiayn SETUP` first (must exit 0)
+    block: tuple[str, ...] = ()  # modules hidden: an optional extra not installed
+    env: dict[str, str] = field(default_factory=dict)
+    fsize: int | None = None  # RLIMIT_FSIZE in bytes: a full disk
+    round: int = 1
 
 
-def aiayn(argv: list[str], timeout: float = 120) -> tuple[int | None, str, float]:
+def aiayn(
+    argv: list[str],
+    timeout: float = 120,
+    *,
+    block: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+    fsize: int | None = None,
+    cwd: str | Path | None = None,
+) -> tuple[int | None, str, str, float]:
+    """(exit code or None when it timed out, stdout, stderr, seconds)."""
+    import resource
+
     t0 = time.perf_counter()
+    if block:
+        code = "import sys\n" + "".join(f"sys.modules[{m!r}] = None\n" for m in block)
+        cmd = [sys.executable, "-c", code + "from aiayn.cli import main\nsys.exit(main())"]
+    else:
+        cmd = [sys.executable, "-m", "aiayn"]
+
+    def limit() -> None:
+        if fsize is not None:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "aiayn", *argv],
-            env=ENV,
+            [*cmd, *argv],
+            env={**ENV, **(env or {})},
             capture_output=True,
             text=True,
             timeout=timeout,
+            preexec_fn=limit if fsize is not None else None,
+            cwd=cwd,
         )
-    except subprocess.TimeoutExpired:
-        return None, "timed out", time.perf_counter() - t0
-    return proc.returncode, proc.stderr, time.perf_counter() - t0
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else ""
+        return None, out, "timed out", time.perf_counter() - t0
+    return proc.returncode, proc.stdout, proc.stderr, time.perf_counter() - t0
 
 
 def judge(case: Case, code: int | None, err: str) -> str:
+    """The verdict from the exit code and stderr alone: "ok" or "CLASS: why"."""
     if code is None:
-        return "BAD: hung"
+        return "hang: timed out"
     if "Traceback" in err:
-        return "BAD: traceback"
-    if code < 0:
-        return f"BAD: killed by signal {-code}"
+        return "traceback: a traceback on stderr"
+    if code < 0 and code not in case.ok_codes:
+        return f"traceback: killed by signal {-code}"
     if code not in case.ok_codes:
-        return f"BAD: exit {code}"
-    refused = code not in (0, 3)  # 3: translated, invalid UTF-8 repaired (a documented partial)
-    if refused and len([line for line in err.splitlines() if "error:" in line]) != 1:
-        return "BAD: not one error line"
+        if code == 0:
+            return "silent: exit 0 where a refusal was due"
+        return f"other: exit {code}"
+    refused = code not in (0, 3) and code > 0  # 3: translated, invalid UTF-8 repaired
+    errors = [line for line in err.splitlines() if "error:" in line]
+    if code in (130, 143):  # stopped by a signal: one line saying so, no error line needed
+        words = ("interrupted", "terminated", "received SIG")  # train: saved, then stopped
+        if not any(w in line for line in err.splitlines() for w in words):
+            return "other: no line saying it stopped"
+    elif refused and len(errors) != 1:
+        return "other: not one error line"
     return "ok"
+
+
+def run_case(
+    case: Case, tmp: Path, paths: dict[str, Path]
+) -> tuple[str, tuple[int | None, str, str, float]]:
+    if case.round == 3:
+        hostile_round3.restore(paths)
+    if case.setup is not None:
+        code, _, err, _ = aiayn(case.setup, cwd=tmp)
+        if code != 0:
+            return f"other: setup failed ({err.strip().splitlines()[-1:]})", (code, "", err, 0.0)
+    check = case.check_factory() if case.check_factory is not None else case.check
+    if case.run_factory is not None:
+        result = case.run_factory(case.argv)()
+    else:
+        result = aiayn(case.argv, block=case.block, env=case.env, fsize=case.fsize, cwd=tmp)
+    code, _, err, _ = result
+    verdict = judge(case, code, err)
+    if check is not None:
+        try:
+            found = check(result)
+        except OSError as e:  # the path the check reads was destroyed
+            found = f"data lost: {e}"
+        # what was lost outranks how the command ended (exit 0 over a run's manifest)
+        # (a hang stays a hang: the check then reads what the killed run left)
+        if found and (verdict == "ok" or found.startswith("data lost") and "hang" not in verdict):
+            verdict = found
+    return verdict, result
 
 
 def build(tmp: Path) -> dict[str, Path]:
@@ -156,6 +249,7 @@ def build(tmp: Path) -> dict[str, Path]:
     p["no_dir"] = tmp / "no" / "such" / "dir"
     p["empty_dir"] = tmp / "empty_dir"
     p["empty_dir"].mkdir()
+    hostile_round3.build(p)
     return p
 
 
@@ -548,20 +642,42 @@ def cases(p: dict[str, Path]) -> list[Case]:
     ]
 
 
+def round3(p: dict[str, Path]) -> list[Case]:
+    def case(
+        command: str, what: str, argv: list[str], ok: tuple[int, ...] = (1, 2, 4), **kw: Any
+    ) -> Case:
+        return Case(command, what, argv, ok, round=3, **kw)
+
+    return hostile_round3.cases(p, case, TINY, MULTI30K)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", help="comma-separated subcommands")
     ap.add_argument("--json", help="write every case's outcome here")
+    ap.add_argument("--round", default="1,3", help="which passes: 1 (the first two), 3")
+    ap.add_argument("--what", help="only the cases whose description holds this text")
     args = ap.parse_args()
+    rounds = {int(x) for x in args.round.split(",")}
     with tempfile.TemporaryDirectory() as d:
         paths = build(Path(d))
-        selected = [c for c in cases(paths) if not args.only or c.command in args.only.split(",")]
-        results, bad = [], 0
+        selected = [
+            c
+            for c in [*cases(paths), *round3(paths)]
+            if (not args.only or c.command in args.only.split(","))
+            and (3 if c.round == 3 else 1) in rounds
+            and (not args.what or args.what in c.what)
+        ]
+        results = []
+        counts = dict.fromkeys(CLASSES, 0)
         for case in selected:
-            code, err, seconds = aiayn(case.argv)
-            verdict = judge(case, code, err)
-            bad += verdict != "ok"
-            last = err.strip().splitlines()[-1] if err.strip() else ""
+            verdict, (code, _, err, seconds) = run_case(case, Path(d), paths)
+            if verdict != "ok":
+                counts[verdict.split(":")[0]] += 1
+            lines = [
+                x for x in err.strip().splitlines() if x.strip() and not x.startswith("leftover")
+            ]
+            last = lines[-1] if lines else ""
             results.append(
                 {
                     "command": case.command,
@@ -573,10 +689,18 @@ def main() -> int:
                 }
             )
             print(
-                f"{verdict:24s} {case.command:9s} {case.what:45s} exit {code}  {last[:110]}",
+                f"{verdict[:40]:40s} {case.command:9s} {case.what[:50]:50s} exit {code}  "
+                f"{last[:100]}",
                 flush=True,
             )
-    print(f"\n{len(results)} inputs tried, {bad} bad")
+        with contextlib.suppress(OSError):
+            for f in Path("/dev/shm").glob("aiayn-hostile-*"):
+                f.unlink()
+    bad = sum(counts.values())
+    print(
+        f"\n{len(results)} inputs tried, {bad} bad: "
+        + ", ".join(f"{counts[c]} {c}" for c in CLASSES)
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
     return 1 if bad else 0

@@ -23,10 +23,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 #: The matrix's rows and tiers (RELIABILITY.md section 2), with the rows aiayn added after
-#: trying its own commands as a careless user would (docs/reliability.md: A12-A15, B7-B8,
-#: E9-E11, F15-F17, H7, I7, J5-J8).
+#: trying its own commands as a careless user would (docs/reliability.md: A12-A16, B7-B9,
+#: E9-E13, F15-F19, G7-G8, H7, I7-I8, J5-J12).
 ROWS = {
-    "A": {f"A{i}": "CPU" for i in range(1, 16)},
+    "A": {f"A{i}": "CPU" for i in range(1, 17)},
     "B": {
         "B1": "CPU",
         "B2": "CPU",
@@ -36,6 +36,7 @@ ROWS = {
         "B6": "GPU",
         "B7": "CPU",
         "B8": "CPU",
+        "B9": "CPU",
     },
     # C6 and C7: an injected out-of-memory error on the CPU; C7's real one needs a GPU
     # (tests/fast/test_cuda.py), as C6's would.
@@ -58,9 +59,9 @@ ROWS = {
         "D7": "CPU",
         "D8": "GPU",
     },
-    "E": {f"E{i}": "CPU" for i in range(1, 12)},
-    "F": {f"F{i}": "CPU" for i in range(1, 18)},
-    "G": {f"G{i}": "CPU" for i in range(1, 7)},
+    "E": {f"E{i}": "CPU" for i in range(1, 14)},
+    "F": {f"F{i}": "CPU" for i in range(1, 20)},
+    "G": {f"G{i}": "CPU" for i in range(1, 9)},
     "H": {f"H{i}": "CPU" for i in range(1, 8)},
     "I": {
         "I1": "CPU",
@@ -70,8 +71,9 @@ ROWS = {
         "I5": "CPU",
         "I6": "GPU",
         "I7": "CPU",
+        "I8": "CPU",
     },
-    "J": {f"J{i}": "CPU" for i in range(1, 9)},
+    "J": {f"J{i}": "CPU" for i in range(1, 13)},
 }
 
 

@@ -18,6 +18,7 @@ LAYERS = {
     "config": 0,
     "cpu_isa": 0,
     "files": 0,
+    "processes": 0,
     "model": 1,
     "scoring": 1,
     "speed": 2,  # the one seam (issue 69): the paper's code asks it for speed paths by name

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import sys
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -72,6 +73,7 @@ class ModelConfig:
     norm: Norm = "post"
 
     def validate(self) -> None:
+        check_finite("model", self)
         for name in ("N", "d_model", "d_ff", "h", "d_k", "d_v", "max_positions"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"model.{name} must be > 0, got {getattr(self, name)}")
@@ -200,6 +202,7 @@ class TrainConfig:
     max_rollbacks: int = 3
 
     def validate(self) -> None:
+        check_finite("train", self)
         if not 0.0 <= self.eps_ls < 1.0:
             raise ConfigError(f"train.eps_ls must be in [0, 1), got {self.eps_ls}")
         for name in (
@@ -296,6 +299,7 @@ class DecodeConfig:
     max_input_len: int = 1000  # longer inputs are truncated, with a warning naming the line
 
     def validate(self) -> None:
+        check_finite("decode", self)
         if self.beam < 1:
             raise ConfigError(f"decode.beam must be >= 1, got {self.beam}")
         if self.alpha < 0:
@@ -431,6 +435,16 @@ def _all_keys() -> dict[str, tuple[str, type]]:
     return keys
 
 
+def check_finite(section: str, obj: Any) -> None:
+    """NaN and infinity make sense in no field: a NaN learning-rate scale passes every `<`
+    check (all comparisons with NaN are false), trains, and saves NaN weights; an infinite
+    budget never ends. Refused, naming the key."""
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{section}.{f.name} must be a finite number, got {value}")
+
+
 def coerce_value(key: str, current: Any, value: Any) -> Any:
     """Turn a TOML or command-line value into the type of the field it replaces."""
     if isinstance(current, bool):
@@ -448,7 +462,7 @@ def coerce_value(key: str, current: Any, value: Any) -> Any:
             return int(value)
         if isinstance(current, float):
             return float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: int(inf) from TOML
         raise ConfigError(f"{key} must be a {type(current).__name__}, got {value!r}") from None
     return str(value)
 

@@ -676,3 +676,48 @@ def test_sampling_options_draw_what_translate_sampling_draws(backend: AiaynBacke
     assert [h["score"] for h in first_alone] == pytest.approx([h["score"] for h in first])
     assert refused[0] == 422 and "top_p" in refused[1]["error"]
     assert with_beam[0] == 422 and "beam" in with_beam[1]["error"]
+
+
+# ------------------------------------------------------------------------- G7
+class _Broken:
+    """A backend whose decoding fails: a fault of the server's own."""
+
+    def __init__(self, inner: AiaynBackend) -> None:
+        self.inner, self.name, self.input_limit = inner, "broken", inner.input_limit
+
+    def count_tokens(self, text: str) -> int:
+        return self.inner.count_tokens(text)
+
+    def translate(self, texts: list[str], options: Options) -> list[list[Translation]]:
+        raise RuntimeError("decoder fault")
+
+
+def _count(metrics: str, code: str) -> float:
+    for line in metrics.splitlines():
+        if line.startswith(f'aiayn_requests_total{{code="{code}"}}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+@pytest.mark.rows("G7")
+def test_hostile_json_gets_a_json_4xx_counted_and_a_fault_a_json_500(
+    backend: AiaynBackend,
+) -> None:
+    """A lone surrogate is valid JSON and no text; a body nested 100,000 deep is valid JSON
+    that Python's parser cannot hold: both were a plain-text 500, uncounted. Now a JSON 4xx,
+    counted in /metrics; a real fault (the decoder raising) is a JSON 500, counted too."""
+    with running(create_app(backend, backend.decode)) as server:
+        url = server.url + "/translate"
+        status, body, _ = post(url, b'{"text": "\\ud800 abc"}')
+        assert status == 422 and "surrogate" in body["error"]
+        status, body, _ = post(url, b"[" * 100_000 + b"]" * 100_000)
+        assert status == 400 and "nested" in body["error"]
+        status, body, _ = post(url, {"text": "abc"})  # negative control, and still healthy
+        assert status == 200 and body["translations"][0]["text"]
+        metrics = urllib.request.urlopen(server.url + "/metrics").read().decode()
+        assert _count(metrics, "422") >= 1 and _count(metrics, "400") >= 1
+    with running(create_app(_Broken(backend), backend.decode)) as server:  # type: ignore[arg-type]
+        status, body, _ = post(server.url + "/translate", {"text": "abc"})
+        assert status == 500 and "RuntimeError" in body["error"]
+        metrics = urllib.request.urlopen(server.url + "/metrics").read().decode()
+        assert _count(metrics, "500") == 1

@@ -32,7 +32,7 @@ from aiayn.config import BOS_ID, EOS_ID, DecodeConfig
 from aiayn.data.tokenizer import Vocabulary, side_tokenizers
 from aiayn.decoding.search import beam_search
 from aiayn.fast.caches import PathKVCache
-from aiayn.files import UsageError
+from aiayn.files import UsageError, write_text_atomic
 from aiayn.model import MultiHeadAttention, Transformer, attention_weights, causal_mask
 
 #: The three kinds of attention in the model (section 3.2.3), as the JSON names them.
@@ -254,7 +254,7 @@ def write_json(maps: AttentionMaps, path: Path) -> Path:
     """The tokens, the translation and every weight (float32 values, as the model
     computed them) as JSON."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(maps.to_dict()) + "\n", encoding="utf-8")
+    write_text_atomic(path, json.dumps(maps.to_dict()) + "\n")
     return path
 
 

@@ -13,6 +13,8 @@ from typing import Any
 
 from torch import Tensor
 
+from aiayn.files import atomic_write
+
 
 def _pyplot() -> Any:
     import matplotlib
@@ -26,8 +28,11 @@ def _pyplot() -> Any:
 def _save(fig: Any, out: Path) -> Path:
     plt = _pyplot()
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100, bbox_inches="tight")
-    plt.close(fig)
+    try:
+        with atomic_write(out) as f:  # an interrupted draw leaves no half of a PNG
+            fig.savefig(f, dpi=100, bbox_inches="tight", format="png")
+    finally:
+        plt.close(fig)
     return out
 
 

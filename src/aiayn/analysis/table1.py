@@ -24,6 +24,7 @@ import torch
 from aiayn.analysis import paths
 from aiayn.analysis.layers import KINDS, build
 from aiayn.analysis.measure import count_flops, machine, peak_memory, time_step
+from aiayn.files import atomic_write, write_text_atomic
 
 #: The paper's columns for each kind: complexity per layer, its exponent in n, sequential
 #: operations, maximum path length (the separable convolution is from section 4's text).
@@ -241,9 +242,9 @@ def plot(report: Report, out: Path) -> Path:
 def write_outputs(report: Report, out: Path) -> list[Path]:
     """table1.csv (a row per kind and n), table1.json (everything) and table1.png."""
     out.mkdir(parents=True, exist_ok=True)
-    with (out / "table1.csv").open("w", newline="", encoding="utf-8") as f:
+    with atomic_write(out / "table1.csv", "w") as f:
         writer = csv.DictWriter(f, fieldnames=list(asdict(report.rows[0])))
         writer.writeheader()
         writer.writerows(asdict(m) for m in report.rows)
-    (out / "table1.json").write_text(json.dumps(report.to_dict(), indent=1) + "\n")
+    write_text_atomic(out / "table1.json", json.dumps(report.to_dict(), indent=1) + "\n")
     return [out / "table1.csv", out / "table1.json", plot(report, out / "table1.png")]

@@ -195,6 +195,29 @@ class _Average:
         return {key: final[rep] for key, rep in self.tied.items()}
 
 
+def distinct_files(paths: Sequence[str | Path]) -> list[Path]:
+    """`paths` without repeats of one file: the same path twice, or two names of one inode
+    (`checkpoint_last.pt` is a hard link of the newest numbered checkpoint, so `run/*.pt`
+    names it twice). Each repeat is said in a warning; the first name is kept."""
+    seen: dict[tuple[int, int], Path] = {}
+    out = []
+    for p in (Path(x) for x in paths):
+        try:
+            st = p.stat()
+            key = (st.st_dev, st.st_ino)
+        except OSError:
+            out.append(p)  # load_checkpoint names a missing file
+            continue
+        if key in seen:
+            logger.warning(
+                "%s is the same file as %s: averaged once, not weighted twice", p, seen[key]
+            )
+            continue
+        seen[key] = p
+        out.append(p)
+    return out
+
+
 def average_checkpoints(paths: Sequence[str | Path], *, force: bool = False) -> dict[str, Any]:
     """The element-wise mean of the models of `paths` (section 6.1), as a checkpoint dict.
 
@@ -210,7 +233,7 @@ def average_checkpoints(paths: Sequence[str | Path], *, force: bool = False) -> 
             kinds (always), unequal integer tensors, or different dtype, tied layout,
             vocab_sha256 or config["model"] (unless `force`).
     """
-    files = [Path(p) for p in paths]
+    files = distinct_files(paths)
     if not files:
         raise ValueError("no checkpoints to average")
     first = load_checkpoint(files[0], mmap=True)
@@ -225,11 +248,29 @@ def average_checkpoints(paths: Sequence[str | Path], *, force: bool = False) -> 
     if isinstance(first.get("tokenizer"), Tensor):  # a copy: `first` is memory-mapped
         out["tokenizer"] = first["tokenizer"].clone()
     step = first["step"]
+    # (step, run) of each file averaged: a copy of one is the same model, counted once
+    seen = {(first["step"], repr(sorted(_run_identity(first).items()))): files[0]}
+    if "averaged_from" in first or not _run_identity(first):
+        seen.clear()
     del first  # I5: from here on, one loaded checkpoint at a time
+    kept = [files[0]]
     for path in files[1:]:
         ckpt = load_checkpoint(path, mmap=True)
+        key = (ckpt["step"], repr(sorted(_run_identity(ckpt).items())))
+        if "averaged_from" not in ckpt and _run_identity(ckpt) and key in seen:
+            logger.warning(
+                "%s is step %d of the same run as %s (a copy): averaged once, not weighted twice",
+                path,
+                ckpt["step"],
+                seen[key],
+            )
+            del ckpt
+            continue
+        if "averaged_from" not in ckpt and _run_identity(ckpt):
+            seen[key] = path
         avg.add(path, ckpt, force)
+        kept.append(path)
         step = ckpt["step"]
         del ckpt
-    out.update(model=avg.model(), step=step, averaged_from=[p.name for p in files])
+    out.update(model=avg.model(), step=step, averaged_from=[p.name for p in kept])
     return out

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from aiayn import speed
-from aiayn.files import atomic_write, sha256_file, write_text_atomic
+from aiayn.files import atomic_write, output_kind, sha256_file, write_text_atomic
 
 if TYPE_CHECKING:
     from aiayn.config import Config
@@ -233,6 +233,12 @@ def _save_file(path: Path, ckpt: dict[str, Any]) -> str:
         **{k: v for k, v in ckpt.items() if k != INTEGRITY_KEY},
         INTEGRITY_KEY: {"algorithm": INTEGRITY_ALGORITHM, "sha256": content_digests(ckpt)},
     }
+    kind = output_kind(path)
+    # a device or FIFO (`average --out /dev/null`) is written in place, with no manifest
+    # beside it (it carries its digest inside); a symlink is written through to its target
+    in_place = kind in ("stdout", "stream")
+    if kind == "symlink":
+        path = Path(os.path.realpath(path))
     try:
         with atomic_write(path) as f:
             writer = _HashingWriter(f)
@@ -245,6 +251,8 @@ def _save_file(path: Path, ckpt: dict[str, Any]) -> str:
             if writer.error is not None:  # torch does not always notice a failed write
                 raise writer.error
             f.flush()
+            if in_place:
+                return writer.sha.hexdigest()
             os.fsync(f.fileno())  # a full disk shows here, while the old manifest still stands
             # The old manifest must not outlive the old bytes: with none, the new file still
             # loads (unverified) if we crash before the new manifest is written.
@@ -274,12 +282,21 @@ def _verify(path: Path) -> bool:
     if not sidecar.exists():
         return False
     try:
-        expected = sidecar.read_text(encoding="utf-8").split()[0].lower()
+        words = sidecar.read_bytes().decode("utf-8", errors="replace").split()
         actual = sha256_file(path)
-    except (OSError, UnicodeDecodeError, IndexError) as e:
+    except OSError as e:
         raise CheckpointError(f"{path}: cannot read it or its manifest {sidecar.name}: {e}") from e
+    expected = words[0].lower() if words else ""
     if not re.fullmatch(r"[0-9a-f]{64}", expected):
-        raise CheckpointError(f"{path}: malformed manifest {sidecar.name}")
+        # something else was written over the manifest (an output path that named it):
+        # the checkpoint may be intact, and it carries its own digest, checked at every load
+        seen = " ".join(words)[:40] if words else "empty"
+        raise CheckpointError(
+            f"{sidecar}: the manifest of {path.name} is damaged (not a sha256 line: "
+            f"{seen!r}); the checkpoint carries its own digest: remove {sidecar.name} to load it "
+            f"checked by that alone, or restore the manifest (`sha256sum {path.name} > "
+            f"{sidecar.name}` if you trust the file)"
+        )
     if actual != expected:
         raise CheckpointError(
             f"{path}: sha256 mismatch (file {actual[:16]}..., manifest "

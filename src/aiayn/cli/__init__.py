@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import logging
 import os
+import signal
 import sys
 from collections.abc import Callable
 
@@ -22,6 +23,7 @@ from aiayn.cli.environment import (
 )
 from aiayn.config import ConfigError
 from aiayn.files import UsageError
+from aiayn.processes import Terminated, ignore_stop_signals, raise_on_sigterm
 
 __all__ = ["MALLOC_ENV", "ONEDNN_PRIMITIVE_CACHE_CAPACITY", "build_parser", "main"]
 
@@ -54,24 +56,52 @@ def main(argv: list[str] | None = None) -> int:
     """Run `aiayn ARGV` (default: sys.argv[1:]) and return its exit code.
 
     Given no `argv` (the console script), heavy subcommands may re-execute the process
-    once with allocator settings; given one (in-process callers), never.
+    once with allocator settings, SIGTERM raises `Terminated` (as Ctrl-C raises
+    KeyboardInterrupt) and, once the command is done, late stop signals are ignored; given
+    one (in-process callers), none of that outlives the call.
     """
     reexec = argv is None
     if argv is None:
         argv = sys.argv[1:]
-    apply_process_settings(argv, reexec=reexec)
-    import aiayn.fast  # noqa: F401  # the speed paths on for every command (aiayn.speed)
+    try:
+        apply_process_settings(argv, reexec=reexec)
+        import aiayn.fast  # noqa: F401  # the speed paths on for every command (aiayn.speed)
 
-    args = build_parser().parse_args(argv)
+        args = build_parser().parse_args(argv)
+    except KeyboardInterrupt:  # Ctrl-C before any work: nothing to clean up
+        print("aiayn: interrupted (Ctrl-C): stopped before any work", file=sys.stderr)
+        return 130
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     func: Callable[[argparse.Namespace], int] = args.func
+    previous = signal.getsignal(signal.SIGTERM)
+    raise_on_sigterm()
     try:
+        from aiayn.cli.extras import require
+
+        require(args.command)  # an optional dependency missing: said now, not after the work
         code = func(args)
         sys.stdout.flush()  # a reader that went away shows here, inside the handler below
+        # the work is done and its code decided: a Ctrl-C or SIGTERM during the
+        # interpreter's teardown (which resets Python's handlers) must not turn it into a
+        # death by signal
+        if reexec:
+            ignore_stop_signals()
         return code
+    except KeyboardInterrupt as e:
+        # Ctrl-C (twice, for train) or SIGTERM: everything below has unwound, so partial
+        # outputs are removed (files.atomic_write) and workers ended (aiayn.processes)
+        terminated = isinstance(e, Terminated)
+        what = "terminated (SIGTERM)" if terminated else "interrupted (Ctrl-C)"
+        after = (
+            "the run resumes from its last checkpoint with the same command"
+            if args.command in ("train", "recipe", "table3")
+            else "no partial output left"
+        )
+        print(f"aiayn {args.command}: {what}: stopped; {after}", file=sys.stderr)
+        return 143 if terminated else 130
     except BrokenPipeError:
         # the reader went away (`aiayn evaluate ... | head`): stop quietly, as `cat` does;
         # stdout goes to /dev/null so that the interpreter's final flush cannot fail too
@@ -90,6 +120,13 @@ def main(argv: list[str] | None = None) -> int:
         # the system refused (a full disk, a read-only directory): what and where, in one
         # line; everything written so far is intact (outputs are written atomically)
         log.debug("traceback", exc_info=True)
-        where = f": {e.filename}" if e.filename and str(e.filename) not in str(e) else ""
-        print(f"aiayn {args.command}: error: {e.strerror or e}{where}", file=sys.stderr)
+        message = str(e.strerror or e)
+        for name in (e.filename, e.filename2):  # the path, once (the bare error names none)
+            if name and str(name) not in message:
+                message += f": {name}"
+        print(f"aiayn {args.command}: error: {message}", file=sys.stderr)
         return 4
+    finally:
+        if not reexec and previous is not None:
+            with contextlib.suppress(ValueError):  # not the main thread
+                signal.signal(signal.SIGTERM, previous)

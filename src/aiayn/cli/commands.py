@@ -14,40 +14,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from aiayn.config import Config, apply_overrides, get_preset, load_experiment, parse_set_args
-from aiayn.files import UsageError, check_output_file
+from aiayn.cli.resume import resolve_config, resolve_train_config
+from aiayn.config import Config, apply_overrides, parse_set_args
+from aiayn.files import UsageError, check_output_dir, check_output_file
 
 log = logging.getLogger("aiayn")
-
-#: `train` and `info` flags that set a config key: (argparse dest, config key).
-CONFIG_FLAGS = (
-    ("max_steps", "train.max_steps"),
-    ("max_minutes", "train.max_minutes"),
-    ("save_interval_steps", "train.save_interval_steps"),
-    ("save_interval_minutes", "train.save_interval_minutes"),
-    ("keep_last", "train.keep_last"),
-    ("seed", "train.seed"),
-    ("max_tokens", "train.max_tokens"),
-    ("update_freq", "train.update_freq"),
-    ("global_batch_tokens", "train.global_batch_tokens"),
-    ("dtype", "train.dtype"),
-    ("valid_interval_steps", "train.valid_interval_steps"),
-)
-
-
-def resolve_config(args: argparse.Namespace) -> Config:
-    """Preset or experiment file, then explicit flags, then --set (which come last)."""
-    if getattr(args, "config", None):
-        cfg, _ = load_experiment(args.config)
-    else:
-        cfg = get_preset(args.preset or "base")
-    overrides: dict[str, Any] = {}
-    for flag, key in CONFIG_FLAGS:
-        value = getattr(args, flag, None)
-        if value is not None:
-            overrides[key] = value
-    overrides.update(parse_set_args(getattr(args, "set", None) or []))
-    return apply_overrides(cfg, overrides)
 
 
 def check_device(name: str) -> str:
@@ -115,6 +86,7 @@ def cmd_data(args: argparse.Namespace) -> int:
     """`aiayn data`: copy or download a corpus, verified, by the task that reads it."""
     from aiayn.experiments.tasks import task_reading
 
+    check_output_dir(args.out)
     names = ("splits", "langs", "pair", "split", "train", "dev", "test")
     options = {name: getattr(args, name) for name in names}
     source = Path(args.from_dir) if args.from_dir is not None else None
@@ -128,9 +100,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from aiayn.data.corpus import MANIFEST_FILE
     from aiayn.data.prepare import prepare
 
-    out = Path(args.out)
-    if out.is_file():
-        raise UsageError(f"--out {out} is a file; give a directory")
+    out = check_output_dir(args.out)
     if (out / MANIFEST_FILE).exists() and not args.force:
         raise UsageError(
             f"--out {out} already holds a prepared set ({out / MANIFEST_FILE}); models "
@@ -177,11 +147,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     """`aiayn train`: train, or resume, one run directory."""
     from aiayn.training.trainer import train
 
-    cfg = resolve_config(args)
+    cfg = resolve_config(args) if args.dump_config else resolve_train_config(args)
     if args.dump_config:
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0
     check_device(args.device)
+    from aiayn.cli.extras import warn_tensorboard
+
+    warn_tensorboard(cfg.train.tensorboard)
     bar, hooks = _progress(cfg.train.max_steps, args.no_progress)
     try:
         result = train(
@@ -217,11 +190,17 @@ def cmd_average(args: argparse.Namespace) -> int:
     # an earlier average may be replaced; a training checkpoint only with --force
     previous_average = out.is_file() and _is_average(out)
     check_output_file(
-        out, inputs=tuple(paths), force=args.force or previous_average, overwrite_ok=False
+        out,
+        inputs=tuple(paths),
+        force=args.force or previous_average,
+        overwrite_ok=False,
+        what="--out",
+        stdout_ok=False,
     )
     avg = average_checkpoints(paths, force=args.force)
     save_checkpoint_file(Path(args.out), avg)
-    print(f"averaged {len(paths)} checkpoints ({', '.join(p.name for p in paths)}) -> {args.out}")
+    names = avg["averaged_from"]  # each model once: a file named twice, or a copy, is dropped
+    print(f"averaged {len(names)} checkpoints ({', '.join(names)}) -> {args.out}")
     return 0
 
 
@@ -544,23 +523,24 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     """`aiayn export`: a checkpoint as a CTranslate2 or MarianMT model directory."""
-    import importlib.util
-
     checkpoint, out = Path(args.checkpoint), Path(args.out)
     if not checkpoint.is_file():
         raise UsageError(f"--checkpoint {checkpoint}: no such file")
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {out} is a file; give a directory")
+    check_output_dir(out)  # a run directory never, even with --force: its config.json is its own
     if out.is_dir() and any(out.iterdir()) and not args.force:
         raise UsageError(
             f"--out {out} exists and is not empty: choose a new directory, or pass --force "
             "to write into it"
         )
+    try:  # a read-only or missing place fails now, naming it, not after loading the model
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OSError(e.errno, f"cannot create {out.parent}: {e.strerror}") from None
     if args.quantization is not None and args.to != "ctranslate2":
         raise UsageError("--quantization is for --to ctranslate2")
-    package = {"ctranslate2": "ctranslate2", "marian": "transformers"}[args.to]
-    if importlib.util.find_spec(package) is None:
-        raise UsageError(f"--to {args.to} needs {package}: pip install 'aiayn[export]'")
+    from aiayn.cli.extras import EXPORT, require
+
+    require(f"export --to {args.to}", tuple((m, "export") for m in EXPORT[args.to]))
     if args.to == "ctranslate2":
         from aiayn.deploy.export import export_ctranslate2
 

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from aiayn.cli.commands import check_device
-from aiayn.files import UsageError
+from aiayn.files import UsageError, check_output_dir, check_output_file
 
 
 def cmd_table1(args: argparse.Namespace) -> int:
@@ -38,8 +38,7 @@ def cmd_table1(args: argparse.Namespace) -> int:
         raise UsageError(f"--d {args.d} does not divide into --heads {args.heads}")
     if args.threads < 1:
         raise UsageError("--threads must be >= 1")
-    if Path(args.out).exists() and not Path(args.out).is_dir():
-        raise UsageError(f"--out {args.out} is a file; give a directory")
+    check_output_dir(args.out, run_ok=True)
     torch.set_num_threads(args.threads)
     settings = Settings(
         d=args.d,
@@ -86,6 +85,7 @@ def cmd_attention(args: argparse.Namespace) -> int:
         raise UsageError("--text: nothing to translate")
     if args.beam is not None and args.beam < 1:
         raise UsageError("--beam must be >= 1")
+    check_output_dir(args.out, run_ok=True)
     summary = run_attention(
         Path(args.checkpoint),
         args.text,
@@ -125,8 +125,8 @@ def cmd_table3(args: argparse.Namespace) -> int:
         raise UsageError("give FILE.toml (with --out), --csv CSV or --import-probes CSV")
     if args.config and not args.out:
         raise UsageError("FILE.toml needs --out DIR: the sweep's run directories go there")
-    if args.out and Path(args.out).is_file():
-        raise UsageError(f"--out {args.out} is a file; give a directory")
+    if args.out:
+        check_output_dir(args.out, run_ok=False)
     if args.seeds is not None and args.seeds < 1:
         raise UsageError(f"--seeds must be >= 1, got {args.seeds}")
     if args.jobs < 1:
@@ -216,14 +216,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else Path(args.runs[0]) / "curves.png"
     if out.suffix.lower() != ".png":
         raise UsageError(f"--out {out}: give a .png file")
-    if out.is_dir():
-        raise UsageError(f"--out {out} is a directory; give a .png file")
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise UsageError(
-            "aiayn plot needs matplotlib, which is not installed: pip install 'aiayn[plot]'"
-        ) from None
+    check_output_file(out, what="--out", stdout_ok=False)
     try:
         drawn = plot_runs(run_labels(args.runs), out, metrics)
     except ValueError as e:

@@ -52,7 +52,12 @@ examples:
         "translation written (and flushed) as soon as it is decoded, lines that come "
         "within 20 ms of each other decoded as one batch",
     )
-    p.add_argument("--output", metavar="FILE", help="translations (default: stdout)")
+    p.add_argument(
+        "--output",
+        metavar="FILE",
+        help="translations (default, or -: stdout; a device or FIFO is written in place, a "
+        "symlink through to its target; a run's files are refused)",
+    )
     p.add_argument(
         "--force",
         action="store_true",
@@ -234,7 +239,11 @@ examples:
         help="a parsing model; several (same vocabulary) decode as an ensemble",
     )
     p.add_argument("--input", metavar="FILE", help="sentences, plain or gzip (default: stdin)")
-    p.add_argument("--output", metavar="FILE", help="trees (default: stdout)")
+    p.add_argument(
+        "--output",
+        metavar="FILE",
+        help="trees (default, or -: stdout; written as translate's --output is)",
+    )
     p.add_argument(
         "--raw-output",
         metavar="FILE",

@@ -7,6 +7,7 @@ points here. Building the parser imports no torch and no aiayn module but `aiayn
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -149,5 +150,20 @@ def build_parser() -> argparse.ArgumentParser:
         (flags_deploy.add_serve, commands.cmd_serve),
         (flags_eval.add_info, commands.cmd_info),
     ):
-        add(sub).set_defaults(func=func)
+        p = add(sub)
+        p.set_defaults(func=func)
+        for action in p._actions:  # every float flag: NaN and inf are no setting's value
+            if action.type is float:
+                action.type = finite_float
     return parser
+
+
+def finite_float(text: str) -> float:
+    """A float flag's value: `nan`, `inf` and `-inf` are refused by argparse, naming them."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r}: not a finite number")
+    return value

@@ -106,7 +106,7 @@ def _copy_from(source: str, out: IO[bytes], from_dir: Path | None, timeout: floa
         raise DownloadError(f"{source}: HTTP {e.code} {e.reason}") from None
     except (urllib.error.URLError, TimeoutError, ConnectionError, HTTPException) as e:
         raise DownloadError(
-            f"{source}: {getattr(e, 'reason', e)} (offline? try from_dir with a local copy)"
+            f"{source}: {getattr(e, 'reason', e)} (offline? give a local copy with --from DIR)"
         ) from None
     # A dropped connection can look like a clean end of stream; the length catches it
     # even for files without a pinned hash.

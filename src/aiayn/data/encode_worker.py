@@ -76,6 +76,15 @@ def init(model_bytes: bytes) -> None:
     _use_cache = True
 
 
+def init_process(model_bytes: bytes) -> None:
+    """Pool initializer of a worker process: dies with its parent, leaves Ctrl-C to it
+    (aiayn.processes), then `init`."""
+    from aiayn.processes import worker_init
+
+    worker_init()
+    init(model_bytes)
+
+
 def encode_texts(texts: list[str]) -> list[list[int]]:
     """sentencepiece's ids of each text, through a cache of words.
 

@@ -67,6 +67,7 @@ from aiayn.data.prepare import (
 )
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.files import InputError, sha256_file
+from aiayn.processes import sigint_deferred
 
 logger = logging.getLogger(__name__)
 
@@ -510,7 +511,10 @@ class _Encoder:
 
             return serial, 1
         ctx = mp.get_context("spawn")
-        self.pool = ctx.Pool(self.workers, initializer=encode_worker.init, initargs=(self.model,))
+        with sigint_deferred():  # the workers start with Ctrl-C left to this process
+            self.pool = ctx.Pool(
+                self.workers, initializer=encode_worker.init_process, initargs=(self.model,)
+            )
 
         def submit(task: encode_worker.Task) -> Any:
             return self.pool.apply_async(encode_worker.encode_chunk, (task,)).get

@@ -27,6 +27,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from aiayn.processes import end_pool, sigint_deferred, worker_init
+
 T = TypeVar("T")
 
 # The job of the pool being run: set before the workers are forked, so they inherit it.
@@ -34,6 +36,7 @@ _job: Callable[[int], Any] | None = None
 
 
 def _init_worker() -> None:
+    worker_init()  # dies with this process, however it dies; Ctrl-C is this process's
     torch.set_num_threads(1)  # before any operator: see the module doc
 
 
@@ -102,10 +105,12 @@ def _map_batches(
     _job = fn
     out: list[Any] = [None] * n
     try:
-        with ProcessPoolExecutor(
+        pool = ProcessPoolExecutor(
             min(workers, n), mp_context=mp.get_context("fork"), initializer=_init_worker
-        ) as pool:
-            pending = {pool.submit(_run, i) for i in range(n)}
+        )
+        try:
+            with sigint_deferred():  # the forks start with Ctrl-C left to this process
+                pending = {pool.submit(_run, i) for i in range(n)}
             while pending:
                 finished, pending = wait(pending, return_when=FIRST_EXCEPTION)
                 for future in finished:
@@ -113,6 +118,10 @@ def _map_batches(
                     out[i] = result
                     if done is not None:
                         done(i, result)
+        except BaseException:
+            end_pool(pool)  # Ctrl-C, SIGTERM or an error: no more batches decoded
+            raise
+        pool.shutdown()
     finally:
         _job = None
     return out

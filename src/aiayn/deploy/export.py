@@ -43,6 +43,7 @@ a model loops) and alpha as the length penalty; beam outputs agree on most lines
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -219,9 +220,18 @@ def write_export(out_dir: str | Path, write: Callable[[Path], None]) -> Path:
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.{secrets.token_hex(4)}.tmp"
-    tmp.mkdir()  # with the umask's permissions, which the directory keeps
     try:
-        write(tmp)
+        tmp.mkdir()  # with the umask's permissions, which the directory keeps
+    except OSError as e:  # a read-only place: say where (the bare error names no path)
+        raise OSError(e.errno, f"cannot write the export in {out.parent}: {e.strerror}") from e
+    try:
+        try:
+            write(tmp)
+        except (OSError, RuntimeError) as e:  # a full disk: CTranslate2 says "failed", not where
+            why = getattr(e, "strerror", None) or str(e).strip().splitlines()[0][:200]
+            raise OSError(
+                getattr(e, "errno", None) or errno.EIO, f"export to {out} failed: {why}"
+            ) from e
         if not out.exists():
             os.replace(tmp, out)
             return out

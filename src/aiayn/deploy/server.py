@@ -235,7 +235,9 @@ def _fork_workers(backend: Backend, workers: int) -> Executor:
     check_workers(workers)
     _forked_backend = backend
     gc.freeze()  # the model's objects stay shared, copy-on-write (aiayn.decoding.workers)
-    pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("fork"), initializer=_one_thread)
+    pool = ProcessPoolExecutor(
+        workers, mp_context=mp.get_context("fork"), initializer=_init_decoding_process
+    )
     for f in [pool.submit(_one_thread) for _ in range(workers)]:
         f.result()  # every process forked and ready
     return pool
@@ -245,6 +247,14 @@ def _one_thread() -> None:
     import torch
 
     torch.set_num_threads(1)
+
+
+def _init_decoding_process() -> None:
+    """A decoding process dies with the server, even by kill -9 (aiayn.processes)."""
+    from aiayn.processes import worker_init
+
+    worker_init()
+    _one_thread()
 
 
 def _decode_forked(
@@ -561,6 +571,8 @@ def _parse(body: bytes, schema: Any) -> Any:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise HTTPError(400, f"the body is not JSON: {e}") from None
+    except RecursionError:  # `[[[[...` 100,000 deep: Python's parser gives up, not the server
+        raise HTTPError(400, "the body is JSON nested too deep") from None
     try:
         return schema.model_validate(data)
     except ValidationError as e:
@@ -629,6 +641,12 @@ def create_app(
         for i, t in enumerate(texts):
             if not t.strip():
                 raise HTTPError(422, f"text[{i}]: empty or only whitespace")
+            try:
+                t.encode("utf-8")
+            except UnicodeEncodeError as e:  # JSON's "\ud800": valid JSON, not a character
+                raise HTTPError(
+                    422, f"text[{i}]: a lone surrogate ({t[e.start]!r}) at {e.start} is not text"
+                ) from None
         alpha = req.alpha if req.alpha is not None else defaults.alpha
         nbest = req.nbest if req.nbest is not None else 1
         if req.sampling:
@@ -691,6 +709,9 @@ def create_app(
             return error(e)
         except OverloadedError as e:
             return error(HTTPError(503, str(e), {"Retry-After": str(limits.retry_after_s)}))
+        except Exception as e:  # a fault of the server's own: a JSON 500, counted and logged
+            logger.exception("POST /translate failed")
+            return error(HTTPError(500, f"internal error ({type(e).__name__}); see the log"))
         metrics.requests.labels("200").inc()
         metrics.latency.observe(time.perf_counter() - start)
         out = []

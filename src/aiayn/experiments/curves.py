@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from aiayn.files import InputError
+from aiayn.files import InputError, atomic_write
 
 
 def read_log(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -219,6 +219,9 @@ def _save(fig: Any, out: str | Path, dpi: int) -> Path:
     fig.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=dpi)
-    plt.close(fig)
+    try:
+        with atomic_write(out) as f:  # `--out /dev/null`, a symlink: see files.output_kind
+            fig.savefig(f, dpi=dpi, format="png")
+    finally:
+        plt.close(fig)
     return out

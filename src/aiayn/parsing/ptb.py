@@ -27,6 +27,7 @@ import json
 import logging
 import re
 import zipfile
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -130,8 +131,9 @@ def read_treebank(source: str | Path) -> Iterator[tuple[str, int, Tree]]:
                         for line, tree in trees_from_lines(decode_lines(f, name), name):
                             n += 1
                             yield file_id, line, tree
-                except (zipfile.BadZipFile, OSError) as e:
-                    raise InputError(f"{name}: unreadable zip member ({e})") from None
+                except (zipfile.BadZipFile, OSError, zlib.error, EOFError) as e:
+                    # zlib.error: the member's deflate stream is corrupt; EOFError: cut short
+                    raise InputError(f"{name}: unreadable zip member, corrupt ({e})") from None
     if n == 0:
         raise InputError(f"{source}: no trees found in its {len(listing)} treebank files")
 

@@ -423,6 +423,7 @@ class Guards:
         t, step = self.cfg.train, state.step + 1
         culprit = "not checked on this rank"
         path = self.run_dir / f"crash-{step}.pt"
+        where = f"is in {path}"
         if self.dist.is_main:
             culprit = find_nonfinite(self.model, last, self.device, t.dtype)
             try:
@@ -440,12 +441,13 @@ class Guards:
                 )
             except ckpt_lib.CheckpointError as e:
                 log.error("could not write %s: %s", path, e)
+                where = f"could not be saved ({path.name} was not written: {e})"
             self.train_log.write({"step": step, "event": "crash", "first_nonfinite": culprit})
         self.dist.barrier()
         return TrainingError(
             f"{consecutive} consecutive non-finite updates at step {step}: "
             f"stopping. First non-finite: {culprit}. The model of step "
-            f"{state.step} is in {path}; checkpoints are untouched."
+            f"{state.step} {where}; checkpoints are untouched."
         )
 
     def _diverged(self, losses: list[float]) -> bool:
