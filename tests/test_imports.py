@@ -215,3 +215,19 @@ def test_tasks_sit_between_the_shared_stages_and_the_runner() -> None:
             if same_package and "base" not in (task_a[0], task_b[0]):
                 wrong.append(f"{path.relative_to(ROOT)}:{line}: a task imports {target}")
     assert not wrong, "\n".join(wrong)
+
+
+#: Issue 69: modules with one concern. One above this many lines says why in its
+#: docstring, in a paragraph that begins "Long because".
+MAX_MODULE_LINES = 500
+
+
+def test_a_long_module_says_why_in_its_docstring() -> None:
+    unexplained = []
+    for path in modules().values():
+        text = path.read_text(encoding="utf-8")
+        lines = text.count("\n")
+        doc = ast.get_docstring(ast.parse(text)) or ""
+        if lines > MAX_MODULE_LINES and "Long because" not in doc:
+            unexplained.append(f"{path.relative_to(ROOT)}: {lines} lines")
+    assert not unexplained, "split these or say why in the docstring:\n" + "\n".join(unexplained)

@@ -14,6 +14,8 @@ from typing import Any
 from aiayn.cli import (
     commands,
     commands_analysis,
+    commands_deploy,
+    commands_speed,
     flags_analysis,
     flags_deploy,
     flags_eval,
@@ -141,14 +143,14 @@ def build_parser() -> argparse.ArgumentParser:
         (flags_eval.add_evaluate, commands.cmd_evaluate),
         (flags_eval.add_parse, commands.cmd_parse),
         (flags_eval.add_recipe, commands.cmd_recipe),
-        (flags_eval.add_bench, commands.cmd_bench),
+        (flags_eval.add_bench, commands_speed.cmd_bench),
         (flags_analysis.add_table1, commands_analysis.cmd_table1),
         (flags_analysis.add_attention, commands_analysis.cmd_attention),
         (flags_table3.add_table3, commands_analysis.cmd_table3),
         (flags_plot.add_plot, commands_analysis.cmd_plot),
-        (flags_deploy.add_export, commands.cmd_export),
-        (flags_deploy.add_serve, commands.cmd_serve),
-        (flags_eval.add_info, commands.cmd_info),
+        (flags_deploy.add_export, commands_deploy.cmd_export),
+        (flags_deploy.add_serve, commands_deploy.cmd_serve),
+        (flags_eval.add_info, commands_speed.cmd_info),
     ):
         p = add(sub)
         p.set_defaults(func=func)
