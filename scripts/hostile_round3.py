@@ -864,9 +864,14 @@ def cases(p: dict[str, Path], case: Any, tiny: list[str], multi30k: Path) -> lis
                 "2",
             ],
             (130,),
-            # at once when its output directory appears: the vocabulary is being learnt
+            # once it encodes (its temporary arrays appear): the workers have started
             run_factory=lambda a: signalled(
-                a, p["tmp"], wait_for=lambda: (p["tmp"] / "pstr").exists(), **interrupt
+                a,
+                p["tmp"],
+                wait_for=lambda: (
+                    (p["tmp"] / "pstr").is_dir() and bool(os.listdir(p["tmp"] / "pstr"))
+                ),
+                **interrupt,
             ),
             check=no_leftovers("traceback"),
         ),

@@ -486,7 +486,7 @@ def test_ctrl_c_during_streaming_prepare_and_a_second_one_in_train(
     """Slow (~30 s): a corpus big enough to be interrupted, and a training run."""
     for lang in ("en", "de"):
         with gzip.open(MULTI30K / f"train.{lang}.gz", "rb") as f:
-            (tmp_path / f"big.{lang}").write_bytes(f.read())
+            (tmp_path / f"big.{lang}").write_bytes(f.read() * 3)
     runs = [
         (["prepare", "-s", "en", "-t", "de", "--trainpref", tmp_path / "big", "--out",
           tmp_path / "p", "--streaming", "--workers", "2", "--vocab-size", "8000"], 4, 1),
@@ -495,7 +495,12 @@ def test_ctrl_c_during_streaming_prepare_and_a_second_one_in_train(
     ]  # fmt: skip
     for argv, after, presses in runs:
         proc = aiayn(*argv)
-        time.sleep(after)
+        deadline = time.monotonic() + 60
+        if argv[0] == "prepare":  # once it encodes: its temporary arrays appear
+            while not list((tmp_path / "p").glob(".*.tmp")) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        else:
+            time.sleep(after)
         for _ in range(presses):
             os.killpg(proc.pid, signal.SIGINT)
             time.sleep(0.05)

@@ -108,6 +108,23 @@ def sigint_deferred() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
+@contextlib.contextmanager
+def sigint_ignored() -> Iterator[None]:
+    """Ignore SIGINT while spawned workers start: an ignored SIGINT survives exec, so a
+    spawned interpreter starts (and stays) immune to the Ctrl-C that reaches its whole
+    process group, where a blocked one does not survive `multiprocessing`'s fork-exec. A
+    Ctrl-C in that window (the workers' start-up, about a second) is ignored; press it
+    again. Only in the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def end_pool(pool: Any) -> None:
     """Kill a ProcessPoolExecutor's (or multiprocessing.Pool's) workers now and drop its
     queued work: on Ctrl-C or an error, nothing more is computed."""

@@ -67,7 +67,7 @@ from aiayn.data.prepare import (
 )
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.files import InputError, sha256_file
-from aiayn.processes import sigint_deferred
+from aiayn.processes import sigint_ignored
 
 logger = logging.getLogger(__name__)
 
@@ -511,7 +511,7 @@ class _Encoder:
 
             return serial, 1
         ctx = mp.get_context("spawn")
-        with sigint_deferred():  # the workers start with Ctrl-C left to this process
+        with sigint_ignored():  # spawned workers start immune to Ctrl-C (aiayn.processes)
             self.pool = ctx.Pool(
                 self.workers, initializer=encode_worker.init_process, initargs=(self.model,)
             )
