@@ -216,15 +216,26 @@ class Parser(_Loaded):
         return cls(*cls._load(path, device, dtype), device)
 
     def parse(
-        self, sentences: Sequence[str | Sequence[str]], *, beam: int | None = None
+        self,
+        sentences: Sequence[str | Sequence[str]],
+        *,
+        beam: int | None = None,
+        constrained: bool = True,
+        tree_form: Literal["words", "gafl"] = "words",
     ) -> list[str]:
-        """A well-formed bracketed tree for each sentence, over exactly its words.
+        """A well-formed bracketed tree for each sentence, over exactly its words, as
+        `aiayn parse` writes it.
 
         Args:
             sentences: each a string of space-separated words as the treebank tokenizes
                 them ("The cat sat ."), or a list of words.
+            constrained: decode under the tree constraint (every output a tree by
+                construction; needs a parser's vocabulary); False: decode freely and repair.
+            tree_form: the model's target, each word in its place ("words", the recipe's)
+                or XX ("gafl").
         Raises:
-            InputError: an empty sentence, named by its number.
+            InputError: an empty sentence, named by its number; constrained decoding with a
+                model whose vocabulary has no bracket pieces.
         """
         from aiayn.decoding.parse import parse_lines
 
@@ -232,7 +243,15 @@ class Parser(_Loaded):
             raise TypeError("parse takes a list of sentences, not a str: parse([sentence])")
         lines = [s if isinstance(s, str) else " ".join(s) for s in sentences]
         cfg = self._decode_config(beam=beam, nbest=1)
-        return parse_lines(self.model, self.tokenizer, lines, cfg, self.device).trees
+        return parse_lines(
+            self.model,
+            self.tokenizer,
+            lines,
+            cfg,
+            self.device,
+            constrained=constrained,
+            linearization=tree_form,
+        ).trees
 
 
 def train(

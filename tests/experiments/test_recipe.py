@@ -158,14 +158,14 @@ def test_recipe_on_a_cpu_with_slow_bf16_warns_and_skips_the_large_peak_product(
     # recipe then takes the ceiling from the check's small products instead, and the
     # trainer warns (the check itself: tests/test_bench.py).
     import aiayn.fast.flops
-    import aiayn.training.trainer
+    from aiayn import speed
     from aiayn.fast import machine
 
     def no_large_product(*args, **kwargs):
         raise AssertionError("the 2048^3 ceiling was measured")
 
     warning = "bf16 matrix products run at 1 GFLOP/s on this CPU"
-    for module in (machine, aiayn.training.trainer):
+    for module in (machine, speed):  # the recipe's stages ask machine, the trainer the seam
         monkeypatch.setattr(module, "slow_bf16_warning", lambda device: warning)
     rates = machine.Rates(200.0, 1.0, 100.0, 1.0, 150.0, threads=2)  # GFLOP/s, sentences/s
     monkeypatch.setattr(machine, "probe", lambda refresh=False: rates)

@@ -441,8 +441,9 @@ def test_resume_with_changed_settings_is_refused(
     listed: str,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """A7: a changed optimizer, schedule, batch size or model dimension is refused listing
-    the differing key; the reset flag lets the first three through; a model change never."""
+    """A7: a changed optimizer, schedule or batch size is refused listing the differing key,
+    and the reset flag lets it through; a model change is refused (exit 2) before the
+    trainer starts, naming both values, reset flags or not."""
     import shutil
 
     run = tmp_path / "run"
@@ -461,16 +462,21 @@ def test_resume_with_changed_settings_is_refused(
             for a in ("--set", f"{k}={v}")
         ],
     ]
+    if needs is None:  # the model: refused before the trainer starts (issue 71), exit 2
+        for extra in ([], ["--reset-optimizer", "--reset-dataloader"]):
+            assert main([*argv, *extra]) == 2
+            err = capsys.readouterr().err
+            key, old_new = listed.split(": ")
+            old, new = old_new.split(" -> ")
+            assert f"{key}={old}" in err and f"{key}={new}" in err and "Traceback" not in err
+            assert "cannot change on resume" in err
+        return
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert "cannot resume" in err and listed in err and "Traceback" not in err
-    if needs is None:
-        assert main([*argv, "--reset-optimizer", "--reset-dataloader"]) == 1
-        assert "model differs" in capsys.readouterr().err
-    else:
-        torch.set_num_threads(1)
-        assert main([*argv, needs]) == 0
-        assert load_checkpoint(run / "checkpoint_last.pt")["step"] == 41
+    torch.set_num_threads(1)
+    assert main([*argv, needs]) == 0
+    assert load_checkpoint(run / "checkpoint_last.pt")["step"] == 41
 
 
 @pytest.mark.rows("A8")
