@@ -390,7 +390,10 @@ def cases(p: dict[str, Path], case: Any, tiny: list[str], multi30k: Path) -> lis
     """The tries of this pass; `case` is hostile_inputs.Case."""
     s = {k: str(v) for k, v in p.items()}
     tr = ["translate", "--checkpoint", s["ckpt"], "--input", s["src"], "--no-progress"]
+    # the tries' model is a translation model: parse decodes freely (the tree constraint,
+    # the default, refuses a vocabulary without bracket pieces before any work)
     parse = ["parse", "--checkpoint", s["ckpt"], "--input", s["src"], "--no-progress"]
+    parse.append("--no-constrained")
     run = p["run"]
     avg_in = [s["run"] + "/checkpoint_2.pt", s["run"] + "/checkpoint_4.pt"]
 
@@ -835,6 +838,7 @@ def cases(p: dict[str, Path], case: Any, tiny: list[str], multi30k: Path) -> lis
                 "--input",
                 s["long"],
                 "--no-progress",
+                "--no-constrained",
                 "--output",
                 s["tmp"] + "/long.trees",
             ],
