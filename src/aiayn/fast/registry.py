@@ -10,16 +10,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from aiayn import speed
-from aiayn.config import ModelConfig
 from aiayn.decoding import search
 from aiayn.fast import flops, machine, native
 from aiayn.fast.inference import Int8Linear
 from aiayn.fast.layers import FastTransformer, accelerate
-from aiayn.model import Transformer
 
 
 def step_topk(
@@ -42,63 +39,20 @@ def step_topk(
     return search.logits_topk(model.generator(hidden), k, exclude)
 
 
-def smoothed_ce(
-    logits: Tensor, target: Tensor, eps: float, write_grad: bool
-) -> tuple[Tensor, Tensor, Tensor] | None:
-    return native.smoothed_ce(logits, target, eps, write_grad)
-
-
-def lse_topk(logits: Tensor, k: int, exclude: tuple[int, ...]) -> tuple[Tensor, Tensor] | None:
-    return native.lse_topk(logits, k, exclude)
-
-
-def bpe_dropout(
-    sym: Tensor,
-    off: Tensor,
-    keys: Tensor,
-    merged: Tensor,
-    score: Tensor,
-    v: int,
-    seed: int,
-    threshold: int,
-) -> tuple[Tensor, Tensor] | None:
-    return native.bpe_dropout(sym, off, keys, merged, score, v, seed, threshold)
-
-
-def training_flops(
-    cfg: ModelConfig,
-    batch: int,
-    S: int,
-    T: int,
-    *,
-    src_tokens: int | None = None,
-    tgt_tokens: int | None = None,
-) -> float:
-    return flops.training_flops(cfg, batch, S, T, src_tokens=src_tokens, tgt_tokens=tgt_tokens)
-
-
-def _accelerate(
-    model: Transformer, *, pack_padding: bool = True, cpu_kernels: bool = True
-) -> Transformer:
-    return accelerate(model, pack_padding=pack_padding, cpu_kernels=cpu_kernels)
-
-
-def slow_bf16_warning(device: torch.device) -> str | None:
-    return machine.slow_bf16_warning(device)
-
-
 def register() -> None:
     """Turn the speed paths on: every implementation above, into `aiayn.speed`."""
+    # each through its module at call time (see the module docstring); the signatures are
+    # the seam's (`aiayn.speed.Implementations`)
     speed.register(
         {
-            "accelerate": _accelerate,
-            "smoothed_ce": smoothed_ce,
-            "lse_topk": lse_topk,
+            "accelerate": lambda model, **kw: accelerate(model, **kw),
+            "smoothed_ce": lambda *a: native.smoothed_ce(*a),
+            "lse_topk": lambda *a: native.lse_topk(*a),
             "step_topk": step_topk,
-            "bpe_dropout": bpe_dropout,
+            "bpe_dropout": lambda *a: native.bpe_dropout(*a),
             "machine_choice": lambda: machine.best(),
             "describe_machine": lambda: machine.describe(),
-            "slow_bf16_warning": slow_bf16_warning,
-            "training_flops": training_flops,
+            "slow_bf16_warning": lambda device: machine.slow_bf16_warning(device),
+            "training_flops": lambda *a, **kw: flops.training_flops(*a, **kw),
         }
     )
