@@ -136,6 +136,14 @@ def tiny_model(seed: int = 0, share_embeddings: bool = True) -> Transformer:
     return accelerate(Transformer(cfg)).eval()
 
 
+def random_model(vocab: int, seed: int) -> Transformer:
+    """An untrained paper model (N=1, d_model 32) over `vocab` ids, in eval mode: what the
+    decoding tests search with when only the outputs' form is checked."""
+    torch.manual_seed(seed)
+    cfg = ModelConfig(N=1, d_model=32, d_ff=64, h=2, d_k=16, d_v=16, vocab_size=vocab)
+    return Transformer(cfg).eval()
+
+
 class EosRamp(Transformer):
     """A random model nudged towards EOS as the output grows, so hypotheses end at varied
     lengths: a random Transformer alone almost never emits EOS, leaving EOS paths untested."""

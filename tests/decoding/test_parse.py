@@ -6,9 +6,8 @@ from __future__ import annotations
 import shutil
 
 import pytest
-import torch
 
-from aiayn.config import DecodeConfig, ModelConfig
+from aiayn.config import DecodeConfig
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.decoding import parse as parse_mod
 from aiayn.decoding.parse import (
@@ -20,12 +19,11 @@ from aiayn.decoding.parse import (
 )
 from aiayn.decoding.translate import Translation, translate_lines, translate_nbest
 from aiayn.files import InputError
-from aiayn.model import Transformer
 from aiayn.parsing.linearize import delinearize
 from aiayn.parsing.trees import parse_tree
 from aiayn.scoring.evalb import COLLINS, score_trees
 from aiayn.scoring.evalb_reference import build_evalb, run_evalb
-from helpers import ROOT
+from helpers import ROOT, random_model
 
 EVALB = ROOT.parent / "shared" / "tools" / "EVALB"
 
@@ -48,12 +46,6 @@ def tokenizer() -> Tokenizer:
     return Tokenizer.train_from_sentences(
         SENTENCES * 3 + TREES * 3, 120, None, split_by_script=False
     )
-
-
-def random_model(vocab: int, seed: int) -> Transformer:
-    torch.manual_seed(seed)
-    cfg = ModelConfig(N=1, d_model=32, d_ff=64, h=2, d_k=16, d_v=16, vocab_size=vocab)
-    return Transformer(cfg).eval()
 
 
 def leaves(tree: str) -> list[str]:

@@ -11,7 +11,7 @@ from functools import cache
 import pytest
 import torch
 
-from aiayn.config import EOS_ID, DecodeConfig, ModelConfig
+from aiayn.config import EOS_ID, DecodeConfig
 from aiayn.data.tokenizer import Tokenizer
 from aiayn.decoding.constraints import ForcedPrefix
 from aiayn.decoding.parse import parse_lines, sentence_words
@@ -23,9 +23,9 @@ from aiayn.decoding.tree_constraint import (
     bracket_tokens,
     tree_limits,
 )
-from aiayn.model import Transformer
 from aiayn.parsing.linearize import delinearize
 from aiayn.parsing.trees import parse_tree
+from helpers import random_model
 
 LABELS = ("A", "B")
 BRACKETS = Brackets(LABELS, (10, 11), (12, 13))
@@ -163,12 +163,6 @@ def tokenizer() -> Tokenizer:
     return Tokenizer.train_from_sentences(
         SENTENCES * 3 + TREES * 3, 120, None, split_by_script=False
     )
-
-
-def random_model(vocab: int, seed: int) -> Transformer:
-    torch.manual_seed(seed)
-    cfg = ModelConfig(N=1, d_model=32, d_ff=64, h=2, d_k=16, d_v=16, vocab_size=vocab)
-    return Transformer(cfg).eval()
 
 
 @pytest.mark.parametrize("seed", range(4))
