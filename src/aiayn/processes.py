@@ -130,13 +130,22 @@ def end_pool(pool: Any) -> None:
     queued work: on Ctrl-C or an error, nothing more is computed."""
     if isinstance(pool, ProcessPoolExecutor):
         processes = list((getattr(pool, "_processes", None) or {}).values())
+        results = getattr(pool, "_result_queue", None)
         for p in processes:
             with contextlib.suppress(Exception):
                 p.kill()
-        pool.shutdown(wait=False, cancel_futures=True)
         for p in processes:
             with contextlib.suppress(Exception):
                 p.join(timeout=5)
+        # A worker killed while sending its result leaves half a message in the result
+        # pipe, and the pool's manager thread waits for the rest forever; the interpreter
+        # joins that thread at exit, so the command hung after printing its last line.
+        # With every worker dead, closing this process's write end turns that wait into
+        # end-of-file, which the manager takes for a broken pool, and it ends.
+        if results is not None and not any(p.is_alive() for p in processes):
+            with contextlib.suppress(Exception):
+                results._writer.close()
+        pool.shutdown(wait=False, cancel_futures=True)
     else:
         pool.terminate()
         pool.join()
