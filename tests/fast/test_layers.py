@@ -310,6 +310,7 @@ def test_compiled_decoding_steps_equal_pytorch_ops(dtype, monkeypatch):
     """Decoding steps on the CPU (no gradients) attend with the compiled kernels: the same
     logits as PyTorch's ops through reorders, within float32 rounding (bf16: the C code
     rounds once where PyTorch rounds scores and weights to bf16 too)."""
+    monkeypatch.setenv("AIAYN_NATIVE_STEP", "0")  # the per-layer kernels
     compiled, torch_ops = compiled_and_torch_steps(
         small_model(d_k=8, d_v=8).float(), dtype, monkeypatch
     )

@@ -656,6 +656,7 @@ def test_lse_topk_int8_in_blocks_of_columns(bias: bool, threads: int) -> None:
 def test_int8_output_layer_in_blocks_in_a_beam_search(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """`Int8Linear.lse_topk` with blocks of 64 columns (a vocabulary of 300: five blocks)
     finds the same hypotheses as with one block, scores within float32 rounding."""
+    monkeypatch.setenv("AIAYN_NATIVE_STEP", "0")  # the per-layer path (decoder_step: its own tests)
     from aiayn.config import EOS_ID, ModelConfig
     from aiayn.fast import inference, int8_ops
     from aiayn.fast.machine import cast_for_inference
@@ -677,7 +678,7 @@ def test_int8_output_layer_in_blocks_in_a_beam_search(monkeypatch) -> None:  # t
     monkeypatch.setattr(native, "lse_topk_int8_blocked", spy)
     one = search.beam_search(model, src, beam=4, alpha=0.6, max_len_a=1.0, max_len_b=5, nbest=4)
     assert calls and set(calls) == {300}
-    monkeypatch.setattr(inference, "LSE_TOPK_BLOCK_BYTES", 1)
+    monkeypatch.setattr(int8_ops, "LSE_TOPK_BLOCK_BYTES", 1)
     calls.clear()
     blocks = search.beam_search(model, src, beam=4, alpha=0.6, max_len_a=1.0, max_len_b=5, nbest=4)
     assert calls and set(calls) == {64}
@@ -706,6 +707,7 @@ def test_int8_beam_search_is_the_same_with_the_fused_output_layer(monkeypatch) -
     and the FFN's ReLU inside its first layer's dequantizing (`Int8Linear.forward_relu`),
     and returns what the plain path (the layer's float logits, then `lse_topk`; the ReLU
     after the layer) returns: the same hypotheses, scores and log P, bit for bit."""
+    monkeypatch.setenv("AIAYN_NATIVE_STEP", "0")  # the per-layer path (decoder_step: its own tests)
     from aiayn.config import EOS_ID, PAD_ID, ModelConfig
     from aiayn.fast.inference import Int8Linear
     from aiayn.fast.machine import cast_for_inference

@@ -18,6 +18,7 @@ from aiayn.config import EOS_ID, PAD_ID, ModelConfig
 from aiayn.decoding.search import beam_search, greedy_search
 from aiayn.fast import accelerate, is_accelerated
 from aiayn.fast.caches import PathKVCache
+from aiayn.fast.decoder_step import NativeStates
 from aiayn.fast.layers import FastTransformer
 from aiayn.fast.packing import Packing
 from aiayn.model import KVCache, Transformer
@@ -86,10 +87,13 @@ def test_training_on_the_real_tokens_gives_the_papers_logits_and_gradients(monke
         torch.testing.assert_close(g1[name], g0[name], rtol=0, atol=ATOL, msg=name)
 
 
+@pytest.mark.parametrize("step", ["per layer", "one call"])
 @pytest.mark.parametrize("beam", [1, 4])
-def test_search_gives_the_papers_translations(beam: int) -> None:
-    """Decoding: the fast model's compiled cache and grouped attention against the
-    paper's cache and copied keys; the same tokens, scores within 1e-4."""
+def test_search_gives_the_papers_translations(beam: int, step: str, monkeypatch) -> None:
+    """Decoding: the fast model's compiled cache and grouped attention (per layer), or the
+    whole step as one compiled call (`decoder_step`), against the paper's cache and copied
+    keys; the same tokens, scores within 1e-4."""
+    monkeypatch.setenv("AIAYN_NATIVE_STEP", "0" if step == "per layer" else "1")
     paper, fast = pair()
     src, _ = ragged(2)
     outs = []
@@ -99,7 +103,9 @@ def test_search_gives_the_papers_translations(beam: int) -> None:
             states = model.init_state(memory, 8)
             outs.append(
                 (
-                    type(states[0].self_cache),
+                    type(states)
+                    if isinstance(states, NativeStates)
+                    else type(states[0].self_cache),
                     greedy_search(model, src, 1.0, 8)
                     if beam == 1
                     else beam_search(model, src, beam, 0.6, 1.0, 8, nbest=beam),
@@ -107,7 +113,7 @@ def test_search_gives_the_papers_translations(beam: int) -> None:
             )
     (cache0, want), (cache1, got) = outs
     assert cache0 is KVCache
-    if cache1 is not PathKVCache:
+    if cache1 is not (PathKVCache if step == "per layer" else NativeStates):
         pytest.skip("no compiled library here: the fast model decodes with PyTorch ops")
     if beam == 1:  # token lists
         assert sum(map(len, want)) > 10  # something to compare

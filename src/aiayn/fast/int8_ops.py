@@ -1,5 +1,6 @@
-"""int8 matrix products for int8 decoding (`aiayn.fast.inference.Int8Linear`) and for
-measuring the int8 product rate (`aiayn.fast.flops`), exact on every CPU.
+"""int8 matrix products and the int8 linear layer of int8 decoding (`Int8Linear`, which
+`aiayn.fast.inference.cast` swaps in), and the int8 product rate (`aiayn.fast.flops`),
+exact on every CPU.
 
 `torch._int_mm` (oneDNN's s8s8s32 GEMM) is exact and fast where the CPU has VNNI (AVX-512
 VNNI, AVX-VNNI, AMX); without it oneDNN's kernel saturates int16 sums of pairs and most
@@ -15,7 +16,7 @@ import functools
 import warnings
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from aiayn.fast import native
 
@@ -91,3 +92,118 @@ class Int8Weight:
             return native.int8_gemm(a, self.packed, n, c0, c1, out)
         w = self.weight if (c0, c1) == (0, n) else self.weight[c0:c1]
         return int8_matmul(a, w, out=out)
+
+
+#: int32 products per block of `Int8Linear.lse_topk` (a block of columns for all the rows):
+#: about a core's L2 cache, so that the beam step reads each block from cache; smaller
+#: blocks pay more per-product call costs, larger ones spill (block sizes measured:
+#: docs/performance.md, "int8 layers").
+LSE_TOPK_BLOCK_BYTES = 1024 * 1024
+
+
+class Int8Linear(nn.Module):
+    """An `nn.Linear` for CPU inference with int8 weights and int8 activations (dynamic
+    quantization): y ~ s_x s_w (q_x q_W^T) + b.
+
+    The weight is quantized once, symmetrically, with one scale per output column
+    (s_w = max|W_j| / 127); each input row gets its own scale at run time (s_x =
+    max|x_i| / 127). The integer product is exact (int8 x int8 -> int32): `torch._int_mm`
+    (oneDNN's s8 GEMM) where the CPU has VNNI, aiayn's kernel where oneDNN's would
+    saturate (`int8_ops.backend`); the passes before and after it are
+    `native.quantize_rows` / `native.dequantize_rows` (PyTorch ops without the compiled
+    library). This replaces `torch.ao.quantization.quantize_dynamic`, which PyTorch has
+    deprecated (it printed a warning on every run) and whose activations share one scale
+    per call. float32 in and out; no gradient.
+    """
+
+    weight_int8: Tensor  # (out, in) int8
+    weight_scale: Tensor  # (out,) float32
+    bias: Tensor | None
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight_int8, weight_scale = quantize_per_row(linear.weight.detach().float())
+        self.register_buffer("weight_int8", weight_int8)
+        self.register_buffer("weight_scale", weight_scale)
+        bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
+        self.register_buffer("bias", bias)
+        self._weight = Int8Weight(self.weight_int8)
+
+    # The product's copy of the weight (packed for aiayn's kernel) follows the buffer:
+    # `.to()` and friends replace it, load_state_dict writes into it.
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        out = super()._apply(fn, recurse)
+        self._weight = Int8Weight(self.weight_int8)
+        return out
+
+    def _load_from_state_dict(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        super()._load_from_state_dict(*args, **kwargs)
+        self._weight = Int8Weight(self.weight_int8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self._forward(x, relu=False)
+
+    def forward_relu(self, x: Tensor) -> Tensor:
+        """max(0, forward(x)), the ReLU applied in the dequantizing pass (the FFN's first
+        layer, `model.PositionwiseFeedForward`): the same values as torch.relu after it."""
+        return self._forward(x, relu=True)
+
+    def _quantized(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """The rows of x (..., in_features) quantized: (rows, in) int8 and each row's
+        scale."""
+        x2 = x.reshape(-1, self.in_features)
+        if x2.stride(-1) != 1 or x2.dtype != torch.float32:
+            x2 = x2.float().contiguous()
+        return native.quantize_rows(x2) or quantize_per_row(x2)
+
+    def _products(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """The rows of x (..., in_features) quantized and multiplied: the (rows, out)
+        int32 products and each row's scale."""
+        x_int8, x_scale = self._quantized(x)
+        return self._weight.matmul(x_int8), x_scale
+
+    def _forward(self, x: Tensor, relu: bool) -> Tensor:
+        lead = x.shape[:-1]
+        acc, x_scale = self._products(x)
+        y = native.dequantize_rows(acc, x_scale, self.weight_scale, self.bias, relu)
+        if y is None:
+            y = acc.float().mul_(x_scale[:, None]).mul_(self.weight_scale)
+            if self.bias is not None:
+                y.add_(self.bias)
+            if relu:
+                y.relu_()
+        return y.view(*lead, self.out_features)
+
+    def lse_topk(self, x: Tensor, k: int, exclude: tuple[int, ...]) -> tuple[Tensor, Tensor] | None:
+        """As the output layer of a beam search: `native.lse_topk` of this layer's outputs
+        for the rows x (R, in_features), the logits scaled from the int32 products as they
+        are read, without writing them out (`native.lse_topk_int8_blocked`). The products
+        are made `LSE_TOPK_BLOCK_BYTES` of int32 at a time (a block of the vocabulary's
+        columns for all the rows) and consumed while in cache, instead of a (R, V) table
+        written to memory and read back. The k logits and columns are those of the
+        layer's float outputs; the normaliser may differ in its last bits (the sum of
+        exponentials runs block by block). None where that does not apply (no compiled
+        library): the caller then calls the layer."""
+        if native.library() is None or x.dim() != 2:
+            return None
+        x_int8, x_scale = self._quantized(x)
+        rows, v = x_int8.size(0), self.out_features
+        block = min(v, max(64, LSE_TOPK_BLOCK_BYTES // (4 * max(rows, 1)) // 64 * 64))
+        # one buffer for every block: each is consumed before the next is made, and its
+        # pages stay in cache
+        flat = torch.empty(rows * block, dtype=torch.int32)
+
+        def products(c0: int, c1: int) -> Tensor:
+            out = flat[: rows * (c1 - c0)].view(rows, -1)
+            return self._weight.matmul(x_int8, c0, c1, out=out)
+
+        return native.lse_topk_int8_blocked(
+            products, rows, v, x_scale, self.weight_scale, self.bias, k, exclude, block
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, int8"
+        )

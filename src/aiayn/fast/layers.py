@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from aiayn import model as paper
-from aiayn.fast import native
+from aiayn.fast import decoder_step, native
 from aiayn.fast.attention import scaled_dot_product_attention
 from aiayn.fast.caches import PathKVCache, compiled_decoding
 from aiayn.fast.cpu_ops import FastDropout, LinearReLU, fused_linear_relu_available
@@ -272,12 +272,24 @@ class FastTransformer(paper.Transformer):
         cfg = self.cfg
         if not compiled_decoding(memory, cfg.h, cfg.d_k, cfg.d_v):
             return super().init_state(memory, max_len)
+        native_states = decoder_step.init_states(self, memory, max_len)
+        if native_states is not None:  # a small batch: the whole step in one C call
+            return native_states  # type: ignore[return-value]
         states = []
         for layer in cast(Iterable[paper.DecoderLayer], self.decoder):
             cache = PathKVCache(cfg.h, cfg.d_k, cfg.d_v, max_len)
             k, v = layer.cross_attn.project_kv(memory)
             states.append(paper.LayerState(cache, (k.contiguous(), v.contiguous())))  # type: ignore[arg-type]
         return states
+
+    def decode_step(
+        self, tokens: Tensor, src_mask: Tensor, states: list[paper.LayerState]
+    ) -> Tensor:
+        """The paper's; with the compiled step's states (`decoder_step.NativeStates`), one C
+        call."""
+        if isinstance(states, decoder_step.NativeStates):
+            return states.logits(tokens, src_mask)
+        return super().decode_step(tokens, src_mask, states)
 
     def decode_hidden(
         self, tokens: Tensor, src_mask: Tensor, states: list[paper.LayerState]

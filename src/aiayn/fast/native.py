@@ -88,6 +88,7 @@ SOURCES = (
     CSRC / "int8_linear.c",
     CSRC / "int8_gemm.c",
     CSRC / "bpe_dropout.c",
+    CSRC / "decoder_step.c",
 )
 HEADERS = (CSRC / "simd_math.h", CSRC / "decode_attention_kernels.h")
 FLAGS = (

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from aiayn import speed
 from aiayn.decoding import search
-from aiayn.fast import flops, machine, native
+from aiayn.fast import decoder_step, flops, machine, native
 from aiayn.fast.inference import Int8Linear
 from aiayn.fast.layers import FastTransformer, accelerate
 
@@ -26,6 +26,8 @@ def step_topk(
     logits as it reads them instead of writing them out; where it cannot, its float
     logits go to the search's top-k. None for any other model (nothing computed), and
     for a subclass that overrides `decode_step` (its logits are what it says)."""
+    if isinstance(states, decoder_step.NativeStates):  # the whole step in one C call
+        return states.topk(last, src_mask, k, exclude)
     if not (
         isinstance(model, FastTransformer)
         and isinstance(model.generator, Int8Linear)

@@ -73,15 +73,24 @@ static void gemm_plain(const int8_t *a, int64_t lda, int64_t r0, int64_t r1, int
 }
 
 #if defined(__AVX2__)
-/* One row's step: acc += pairs of |a| x sign(b, a), summed into int32 (exact, see top). */
+/* One row's step: acc += pairs of |a| x sign(b, a), summed into int32 (exact, see top).
+ * With VNNI (AVX-512 VNNI, AVX-VNNI) one instruction sums the four products of a group
+ * straight into int32 (vpdpbusd: no int16 step, no saturation): the same sums. */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define STEP(acc, au, av, b, ones) acc = _mm256_dpbusd_epi32(acc, au, _mm256_sign_epi8(b, av))
+#elif defined(__AVXVNNI__)
+#define STEP(acc, au, av, b, ones) acc = _mm256_dpbusd_avx_epi32(acc, au, _mm256_sign_epi8(b, av))
+#else
 #define STEP(acc, au, av, b, ones) \
     acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(au, _mm256_sign_epi8(b, av)), ones))
+#endif
 
 /* 4 rows x 16 columns (panels p0, p1), all k groups whole (k % 4 == 0): the common case,
  * written out so that the 8 accumulators stay in registers. */
 static inline void tile_4x2(const int8_t *const *ar, const int8_t *p0, const int8_t *p1,
                             int64_t g, int32_t *c, int64_t ldc) {
     const __m256i ones = _mm256_set1_epi16(1);
+    (void)ones;
     __m256i c00 = _mm256_setzero_si256(), c01 = c00, c10 = c00, c11 = c00;
     __m256i c20 = c00, c21 = c00, c30 = c00, c31 = c00;
     const int8_t *a0 = ar[0], *a1 = ar[1], *a2 = ar[2], *a3 = ar[3];
@@ -121,6 +130,7 @@ static inline void tile_4x2(const int8_t *const *ar, const int8_t *p0, const int
 static void tile_edge(const int8_t *const *ar, int rows, const int8_t *p0, const int8_t *p1,
                       int64_t g, int64_t k, int32_t *c, int64_t ldc, int cols) {
     const __m256i ones = _mm256_set1_epi16(1);
+    (void)ones;
     const int64_t full = k / 4;
     for (int r = 0; r < rows; r++) {
         __m256i acc0 = _mm256_setzero_si256(), acc1 = acc0;

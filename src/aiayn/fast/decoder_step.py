@@ -1,0 +1,390 @@
+"""The decoder's incremental step as one compiled call (csrc/decoder_step.c), for small
+batches on the CPU.
+
+Why: at batch 1 a beam step of a small model is ~50 PyTorch operators of a few
+microseconds of arithmetic each plus the Python between them; dispatch and the
+interpreter, not the arithmetic, set the time (measured: docs/performance.md, "A step at
+batch 1"). `DecoderPlan` lays the decoder's weights out once (int8 layers packed for
+aiayn's int8 kernel); `NativeStates` is a search's incremental state, and each step is
+one C call: embeddings, every layer, the output layer and the beam's top-k (or the
+logits).
+
+Where it applies (`plan_for`): the fast model (`aiayn.fast.accelerate`) in float32 or
+int8 (`inference.Int8Linear`, any mix of the two per layer) on the CPU, without
+gradients, forward hooks (someone watching the modules: attention pictures) or an
+overridden decoding step; bf16 models take the PyTorch path. Which batches: every batch
+of an int8 model on one thread (a server's or `translate --workers`' processes); up to
+`MAX_SENTENCES` sentences a search otherwise, larger batches being faster through MKL's
+float32 products and oneDNN's second thread (the per-layer path).
+`AIAYN_NATIVE_STEP=1`: every batch, `0`: none. Where a run takes both paths (float32, or
+more than one thread), a sentence's scores may differ in their last float bits between a
+small and a large batch.
+
+The outputs are the PyTorch path's up to float rounding: an int8 layer's arithmetic is
+the same C code (`Int8Linear`); float32 products and LayerNorm sum in another order
+(tests/fast/test_decoder_step.py compares both with the paper model's search).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from aiayn.fast import native
+from aiayn.fast.int8_ops import LSE_TOPK_BLOCK_BYTES, Int8Linear
+
+#: Sentences a search up to which the compiled step is used by default (measured:
+#: docs/performance.md, "A step at batch 1").
+MAX_SENTENCES = 16
+
+_P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [
+        ("n", _I64),
+        ("k", _I64),
+        ("int8", _INT),
+        ("w", _P),
+        ("packed", _P),
+        ("scale", _P),
+        ("bias", _P),
+    ]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("qkv", _Linear),
+        ("self_o", _Linear),
+        ("cross_q", _Linear),
+        ("cross_o", _Linear),
+        ("ff1", _Linear),
+        ("ff2", _Linear),
+        ("norm_w", _P * 3),
+        ("norm_b", _P * 3),
+        ("mem_k", _P),
+        ("mem_v", _P),
+    ]
+
+
+class _Decoder(ctypes.Structure):
+    _fields_ = [
+        ("layers", _I64),
+        ("d_model", _I64),
+        ("h", _I64),
+        ("d_k", _I64),
+        ("d_v", _I64),
+        ("d_ff", _I64),
+        ("vocab", _I64),
+        ("max_positions", _I64),
+        ("pre_norm", _INT),
+        ("eps", _F),
+        ("emb_scale", _F),
+        ("emb", _P),
+        ("pe", _P),
+        ("final_w", _P),
+        ("final_b", _P),
+        ("out", _Linear),
+        ("out_block", _I64),
+        ("layer", ctypes.POINTER(_Layer)),
+    ]
+
+
+def _functions(lib: ctypes.CDLL) -> tuple[Any, Any]:
+    """The step and its workspace size, with their C signatures."""
+    step, work = lib.aiayn_decoder_step, lib.aiayn_decoder_workspace
+    d = ctypes.POINTER(_Decoder)
+    step.argtypes = [d, _P, _I64, _I64, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _P,
+                     _INT, _P, _INT, _P, _P, _P]  # fmt: skip
+    step.restype = None
+    work.argtypes, work.restype = [d, _I64, _I64, _I64, _I64], _I64
+    return step, work
+
+
+def _f32(t: Tensor | None) -> bool:
+    return t is None or (t.dtype == torch.float32 and t.is_contiguous())
+
+
+class DecoderPlan:
+    """A model's decoder laid out for the compiled step: pointers to its float32 weights,
+    int8 layers' weights packed once. Holds references to every tensor it points into."""
+
+    def __init__(self, model: Any) -> None:
+        cfg = model.cfg
+        self.keep: list[Tensor] = []
+        self.h, self.d_k, self.d_v, self.layers = cfg.h, cfg.d_k, cfg.d_v, cfg.N
+        self.vocab = cfg.vocab_size
+        layers = (_Layer * cfg.N)()
+        for i, layer in enumerate(model.decoder):
+            sa, ca = layer.self_attn, layer.cross_attn
+            layers[i].qkv = self._linear(sa.w_qkv)
+            layers[i].self_o = self._linear(sa.w_o)
+            layers[i].cross_q = self._linear(ca.w_q)
+            layers[i].cross_o = self._linear(ca.w_o)
+            layers[i].ff1 = self._linear(layer.ffn.w_1)
+            layers[i].ff2 = self._linear(layer.ffn.w_2)
+            for j, norm in enumerate((layer.norm1, layer.norm2, layer.norm3)):
+                layers[i].norm_w[j] = self._ptr(norm.weight)
+                layers[i].norm_b[j] = self._ptr(norm.bias)
+        self.layer_structs = layers
+        linears = [
+            getattr(x, f)
+            for x in layers
+            for f in ("qkv", "self_o", "cross_q", "cross_o", "ff1", "ff2")
+        ]
+        self.int8 = all(x.int8 for x in linears) and isinstance(model.generator, Int8Linear)
+        emb = model.tgt_embed
+        final = model.decoder_norm
+        self.decoder = _Decoder(
+            layers=cfg.N,
+            d_model=cfg.d_model,
+            h=cfg.h,
+            d_k=cfg.d_k,
+            d_v=cfg.d_v,
+            d_ff=cfg.d_ff,
+            vocab=cfg.vocab_size,
+            max_positions=emb.max_positions,
+            pre_norm=int(layer.pre_norm),
+            eps=float(layer.norm1.eps),
+            emb_scale=float(emb.scale),
+            emb=self._ptr(emb.token.weight),
+            pe=self._ptr(emb.positions()),
+            final_w=None if final is None else self._ptr(final.weight),
+            final_b=None if final is None else self._ptr(final.bias),
+            out=self._linear(model.generator),
+            out_block=cfg.vocab_size,
+        )
+
+    def _ptr(self, t: Tensor) -> int:
+        t = t.detach()
+        if not _f32(t):
+            raise ValueError("not a contiguous float32 tensor")
+        self.keep.append(t)
+        return t.data_ptr()
+
+    def _linear(self, layer: nn.Module) -> _Linear:
+        if isinstance(layer, Int8Linear):
+            packed = native.int8_pack(layer.weight_int8.contiguous())
+            if packed is None:
+                raise ValueError("no compiled library")
+            self.keep.append(packed)
+            bias = layer.bias
+            return _Linear(
+                n=layer.out_features,
+                k=layer.in_features,
+                int8=1,
+                packed=packed.data_ptr(),
+                scale=self._ptr(layer.weight_scale),
+                bias=None if bias is None else self._ptr(bias),
+            )
+        if type(layer) is not nn.Linear:
+            raise ValueError(f"{type(layer).__name__} is not a float32 or int8 linear layer")
+        assert isinstance(layer, nn.Linear)
+        return _Linear(
+            n=layer.out_features,
+            k=layer.in_features,
+            int8=0,
+            w=self._ptr(layer.weight),
+            bias=None if layer.bias is None else self._ptr(layer.bias),
+        )
+
+
+def _key(model: nn.Module) -> tuple[tuple[int, int], ...]:
+    """Where the weights are and how often they were written in place: a plan made for
+    other weights is made again."""
+    return tuple(
+        (t.data_ptr(), 0 if t.is_inference() else t._version)  # inference tensors: no counter
+        for t in (*model.parameters(), *model.buffers())
+    )
+
+
+def plan_for(model: Any, sentences: int) -> DecoderPlan | None:
+    """The model's `DecoderPlan` (made once, again if its weights changed) if the compiled
+    step applies to a search over `sentences` sentences, else None (see the module doc)."""
+    choice = os.environ.get("AIAYN_NATIVE_STEP", "")
+    if choice == "0":
+        return None
+    from aiayn.fast.layers import FastTransformer
+
+    if (
+        not isinstance(model, FastTransformer)
+        or type(model).decode_step is not FastTransformer.decode_step
+        or type(model).init_state is not FastTransformer.init_state
+        or model.training
+        or torch.is_grad_enabled()
+        or native.library() is None
+        or not native.attention_applies(torch.float32, model.cfg.h, model.cfg.d_k, model.cfg.d_v)
+        or any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+        or any(t.device.type != "cpu" for t in model.parameters())
+    ):
+        return None
+    key = _key(model)
+    cached = getattr(model, "_decoder_plan", None)
+    if cached is not None and cached[0] == key:
+        plan = cached[1]
+    else:
+        try:
+            plan = DecoderPlan(model)
+        except ValueError:  # bf16 weights, another kind of layer
+            plan = None
+        model.__dict__["_decoder_plan"] = (key, plan)  # not a submodule or buffer
+    if plan is None or choice == "1" or sentences <= MAX_SENTENCES:
+        return plan
+    # a large batch: int8 on one thread is still faster in one call; float32 products and
+    # a second thread are faster through MKL and oneDNN (the per-layer path)
+    return plan if plan.int8 and torch.get_num_threads() == 1 else None
+
+
+class NativeStates:
+    """A search's incremental decoder state for the compiled step: the cache (one table
+    of every layer's fused projection per step, and each row's path through them, as
+    `caches.PathKVCache`) and the encoder's keys and values per layer, once per sentence.
+    Iterating gives the one state the search reorders (`reorder`)."""
+
+    def __init__(self, plan: DecoderPlan, kv: list[tuple[Tensor, Tensor]], capacity: int) -> None:
+        self.plan = plan
+        self.decoder = _Decoder.from_buffer_copy(plan.decoder)  # this search's pointers
+        self.layers = (_Layer * plan.layers)(
+            *[_Layer.from_buffer_copy(x) for x in plan.layer_structs]
+        )
+        self.decoder.layer = ctypes.cast(self.layers, ctypes.POINTER(_Layer))
+        self._set_kv(kv)
+        capacity = max(1, capacity)
+        self.tables: list[Tensor] = []
+        self.addresses = torch.empty(capacity, dtype=torch.int64)
+        self.path = torch.empty(0, capacity, dtype=torch.int64)
+        self.index: Tensor | None = None
+        self._rows = 0
+        self.work = torch.empty(0, dtype=torch.float32)
+        self.step_fn, self.work_fn = _functions(native.library())  # type: ignore[arg-type]
+
+    def _set_kv(self, kv: list[tuple[Tensor, Tensor]]) -> None:
+        self.kv = [(k.float().contiguous(), v.float().contiguous()) for k, v in kv]
+        for layer, (k, v) in zip(self.layers, self.kv, strict=True):
+            layer.mem_k, layer.mem_v = k.data_ptr(), v.data_ptr()
+
+    def __iter__(self) -> Any:
+        return iter((self,))
+
+    @property
+    def length(self) -> int:
+        return len(self.tables)
+
+    def reorder(self, index: Tensor, sentences: Tensor | None = None) -> None:
+        """Keep hypothesis rows `index` (applied at the next step) and, if given, sentences
+        `sentences` of the encoder keys and values."""
+        self.index = index if self.index is None else self.index.index_select(0, index)
+        if sentences is not None:
+            self._set_kv(
+                [(k.index_select(0, sentences), v.index_select(0, sentences)) for k, v in self.kv]
+            )
+
+    def _run(
+        self,
+        tokens: Tensor,
+        src_mask: Tensor,
+        logits: Tensor | None,
+        k: int = 0,
+        excl: Tensor | None = None,
+        val: Tensor | None = None,
+        idx: Tensor | None = None,
+    ) -> None:
+        rows, t = tokens.size(0), self.length
+        plan = self.plan
+        if t >= plan.decoder.max_positions:
+            raise ValueError(
+                f"sequence of length {t + 1} exceeds max_positions={plan.decoder.max_positions}"
+            )
+        if t == self.addresses.numel():  # more steps than planned: twice the room
+            self.addresses = torch.cat([self.addresses, torch.empty_like(self.addresses)])
+            self.path = torch.cat([self.path, torch.empty_like(self.path)], dim=1)
+        index = self.index
+        if rows > self.path.size(0):
+            grown = torch.empty(rows, self.path.size(1), dtype=torch.int64)
+            grown[: self.path.size(0)] = self.path
+            self.path = grown
+        if index is not None:
+            index = index.to(torch.int64).contiguous()
+            if index.numel() != rows:
+                raise ValueError(f"{rows} rows after a reordering to {index.numel()}")
+        elif t > 0 and rows != self._rows:
+            raise ValueError(f"{rows} new rows for a cache of {self._rows}")
+        width = plan.layers * plan.h * (2 * plan.d_k + plan.d_v)
+        table = torch.empty(rows, width, dtype=torch.float32)
+        self.addresses[t] = table.data_ptr()
+        mask = src_mask.reshape(rows, -1)
+        if mask.dtype != torch.bool or mask.stride(1) != 1:
+            mask = mask.to(torch.bool).contiguous()
+        g = rows // self.kv[0][0].size(0)
+        s = mask.size(1)
+        dec = self.decoder
+        if logits is None:
+            dec.out_block = self._out_block(rows)
+        need = self.work_fn(ctypes.byref(dec), rows, t, g, s)
+        if self.work.numel() < need:
+            self.work = torch.empty(2 * need, dtype=torch.float32)
+        tok = tokens.reshape(rows).to(torch.int64).contiguous()
+        self.step_fn(
+            ctypes.byref(dec),
+            tok.data_ptr(),
+            rows,
+            t,
+            table.data_ptr(),
+            self.addresses.data_ptr(),
+            self.path.data_ptr(),
+            self.path.stride(0),
+            None if index is None else index.data_ptr(),
+            mask.data_ptr(),
+            mask.stride(0),
+            g,
+            s,
+            None if logits is None else logits.data_ptr(),
+            k,
+            None if excl is None else excl.data_ptr(),
+            0 if excl is None else excl.numel(),
+            None if val is None else val.data_ptr(),
+            None if idx is None else idx.data_ptr(),
+            self.work.data_ptr(),
+        )
+        self.tables.append(table)
+        self.index = None
+        self._rows = rows
+
+    def _out_block(self, rows: int) -> int:
+        """Columns of int8 products per block of the output layer: `Int8Linear.lse_topk`'s."""
+        v = self.plan.vocab
+        return min(v, max(64, LSE_TOPK_BLOCK_BYTES // (4 * max(rows, 1)) // 64 * 64))
+
+    def logits(self, tokens: Tensor, src_mask: Tensor) -> Tensor:
+        """`decode_step`: the next-token logits (R, V) float32."""
+        out = torch.empty(tokens.size(0), self.plan.vocab, dtype=torch.float32)
+        self._run(tokens, src_mask, out)
+        return out
+
+    def topk(
+        self, tokens: Tensor, src_mask: Tensor, k: int, exclude: tuple[int, ...]
+    ) -> tuple[Tensor, Tensor] | None:
+        """The search's `best_next_tokens`: (R, k) log P and tokens; None where the C
+        top-k does not apply (fewer than k eligible tokens: the caller takes the logits)."""
+        excl = native._columns(exclude, self.plan.vocab)
+        if self.plan.vocab - len(excl) < k or k < 1:
+            return None
+        rows = tokens.size(0)
+        val = torch.empty(rows, k, dtype=torch.float32)
+        idx = torch.empty(rows, k, dtype=torch.int64)
+        self._run(tokens, src_mask, None, k, excl, val, idx)
+        return val, idx
+
+
+def init_states(model: Any, memory: Tensor, max_len: int) -> NativeStates | None:
+    """`NativeStates` for a search of `model` over `memory` (A, S, D), or None where the
+    compiled step does not apply (`plan_for`)."""
+    plan = plan_for(model, memory.size(0))
+    if plan is None or memory.dtype != torch.float32:
+        return None
+    kv = [layer.cross_attn.project_kv(memory) for layer in model.decoder]
+    return NativeStates(plan, kv, max_len)
