@@ -176,7 +176,17 @@ def test_where_the_one_call_step_applies(monkeypatch) -> None:
         assert plan_for(fast, MAX_SENTENCES + 1) is None  # large float32 batches: MKL's
         _, int8 = models("int8")
         assert plan_for(int8, MAX_SENTENCES + 1) is not None  # int8 on one thread: always
-        assert plan_for(paper, 1) is None  # not the fast model
+        memory, _ = fast.encode(sources(n=1))
+        assert isinstance(fast.init_state(memory, 4), NativeStates)
+        assert not isinstance(paper.init_state(memory, 4), NativeStates)  # the paper's own
+
+        class OwnStep(type(fast)):  # type: ignore[misc]
+            def decode_step(self, tokens, src_mask, states):  # type: ignore[no-untyped-def]
+                return super().decode_step(tokens, src_mask, states)
+
+        fast.__class__ = OwnStep  # a subclass's decoding step is what it says: not compiled
+        assert not isinstance(fast.init_state(memory, 4), NativeStates)
+        fast.__class__ = OwnStep.__mro__[1]
         monkeypatch.setenv("AIAYN_NATIVE_STEP", "0")
         assert plan_for(fast, 1) is None
         monkeypatch.setenv("AIAYN_NATIVE_STEP", "1")

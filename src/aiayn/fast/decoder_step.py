@@ -9,7 +9,8 @@ aiayn's int8 kernel); `NativeStates` is a search's incremental state, and each s
 one C call: embeddings, every layer, the output layer and the beam's top-k (or the
 logits).
 
-Where it applies (`plan_for`): the fast model (`aiayn.fast.accelerate`) in float32 or
+Where it applies (`plan_for`, asked by `FastTransformer.init_state` where the class's
+decoding step is its own): the fast model (`aiayn.fast.accelerate`) in float32 or
 int8 (`inference.Int8Linear`, any mix of the two per layer) on the CPU, without
 gradients, forward hooks (someone watching the modules: attention pictures) or an
 overridden decoding step; bf16 models take the PyTorch path. Which batches: every batch
@@ -208,13 +209,8 @@ def plan_for(model: Any, sentences: int) -> DecoderPlan | None:
     choice = os.environ.get("AIAYN_NATIVE_STEP", "")
     if choice == "0":
         return None
-    from aiayn.fast.layers import FastTransformer
-
     if (
-        not isinstance(model, FastTransformer)
-        or type(model).decode_step is not FastTransformer.decode_step
-        or type(model).init_state is not FastTransformer.init_state
-        or model.training
+        model.training
         or torch.is_grad_enabled()
         or native.library() is None
         or not native.attention_applies(torch.float32, model.cfg.h, model.cfg.d_k, model.cfg.d_v)
@@ -363,6 +359,13 @@ class NativeStates:
         """`decode_step`: the next-token logits (R, V) float32."""
         out = torch.empty(tokens.size(0), self.plan.vocab, dtype=torch.float32)
         self._run(tokens, src_mask, out)
+        return out
+
+    def hidden(self, tokens: Tensor, src_mask: Tensor) -> Tensor:
+        """`decode_hidden`: the decoder's last output (R, d_model) float32, before the
+        output layer."""
+        out = torch.empty(tokens.size(0), self.plan.decoder.d_model, dtype=torch.float32)
+        self._run(tokens, src_mask, out, -1)
         return out
 
     def topk(

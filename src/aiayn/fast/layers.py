@@ -272,7 +272,11 @@ class FastTransformer(paper.Transformer):
         cfg = self.cfg
         if not compiled_decoding(memory, cfg.h, cfg.d_k, cfg.d_v):
             return super().init_state(memory, max_len)
-        native_states = decoder_step.init_states(self, memory, max_len)
+        own_step = all(  # a subclass's own step is what it says: not compiled
+            getattr(type(self), f) is getattr(FastTransformer, f)
+            for f in ("init_state", "decode_step", "decode_hidden")
+        )
+        native_states = decoder_step.init_states(self, memory, max_len) if own_step else None
         if native_states is not None:  # a small batch: the whole step in one C call
             return native_states  # type: ignore[return-value]
         states = []
@@ -297,6 +301,8 @@ class FastTransformer(paper.Transformer):
         """`decode_step` before the output layer: the decoder's last output (B, d_model),
         for an output layer that finds the beam's best tokens itself (`Int8Linear.lse_topk`,
         through `registry.step_topk`)."""
+        if isinstance(states, decoder_step.NativeStates):
+            return states.hidden(tokens, src_mask)
         y = self.tgt_embed(tokens, offset=states[0].self_cache.length)
         for layer, state in zip(self.decoder, states, strict=True):
             y = layer(y, None, src_mask, state)

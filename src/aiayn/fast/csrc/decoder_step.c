@@ -215,8 +215,9 @@ NO_CONTRACT static void embed(const aiayn_decoder *m, const int64_t *tokens, int
  * reorder: (rows,) which previous row each row continues (NULL: row r continues row r);
  * column t is set here. mask: (rows, s) bytes, row stride mask_ld, 1 = may attend (the g
  * rows of a sentence share it). Then either logits (rows, vocab) are written (logits not
- * NULL) or each row's top_k best log-probabilities outside `excl` and their tokens.
- * work: aiayn_decoder_workspace floats. */
+ * NULL, top_k >= 0), the decoder's last output (rows, d_model) (logits not NULL, top_k < 0:
+ * `decode_hidden`), or each row's top_k best log-probabilities outside `excl` and their
+ * tokens. work: aiayn_decoder_workspace floats. */
 void aiayn_decoder_step(const aiayn_decoder *m, const int64_t *tokens, int64_t rows, int64_t t,
                         float *table, const int64_t *tables, int64_t *path, int64_t path_ld,
                         const int64_t *reorder, const uint8_t *mask, int64_t mask_ld,
@@ -304,6 +305,10 @@ void aiayn_decoder_step(const aiayn_decoder *m, const int64_t *tokens, int64_t r
     /* the output layer */
     const aiayn_linear *o = &m->out;
     const int64_t V = m->vocab;
+    if (logits && top_k < 0) {
+        memcpy(logits, x, (size_t)(rows * D) * sizeof(float));
+        return;
+    }
     if (logits) {
         linear(o, x, D, rows, logits, V, 0, q, row_scale, (int32_t *)logits);
         return;
