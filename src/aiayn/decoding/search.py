@@ -461,9 +461,20 @@ def beam_search(
             for i, s in enumerate(beams.sent)
             if step < caps[s] and not _is_done(finished[s], best_live[i], caps[s], beam, alpha)
         ]
+        if len(keep) == a:  # no sentence done: every row goes on, reordered by origin
+            index = rows.view(-1)
+            reorder_states(states, index, None)
+            if constraint is not None:
+                cstate = constraint.advance(cstate, new.view(-1), index)
+            # a sentence's rows share its source mask: reordering within it changes nothing
+            same = beams.src_mask.size(0) == index.numel()
+            beams = _Beams(
+                beams.sent, tokens, live, beams.src_mask if same else beams.src_mask[index]
+            )
+            continue
         kept = torch.tensor(keep, dtype=torch.long, device=src.device)
         index = rows[kept].view(-1)  # reorder by origin and drop done sentences at once
-        reorder_states(states, index, kept if len(keep) < a else None)
+        reorder_states(states, index, kept)
         if constraint is not None:
             cstate = constraint.advance(cstate, new[kept].view(-1), index)
         beams = _Beams(

@@ -194,13 +194,28 @@ class DecoderPlan:
         )
 
 
-def _key(model: nn.Module) -> tuple[tuple[int, int], ...]:
-    """Where the weights are and how often they were written in place: a plan made for
-    other weights is made again."""
-    return tuple(
-        (t.data_ptr(), 0 if t.is_inference() else t._version)  # inference tensors: no counter
-        for t in (*model.parameters(), *model.buffers())
-    )
+def _modules(model: nn.Module) -> list[nn.Module]:
+    """Every module under `model`, itself included: a plain walk over `_modules`, several
+    times faster than `nn.Module.modules()` (which dedupes and names), as this runs once
+    per search."""
+    out, todo = [], [model]
+    while todo:
+        m = todo.pop()
+        out.append(m)
+        todo.extend(c for c in m._modules.values() if c is not None)
+    return out
+
+
+def _key(modules: list[nn.Module]) -> tuple[int | tuple[int, int], ...]:
+    """Which modules hold which weights, and how often those were written in place: a plan
+    made for other weights (a layer swapped, weights loaded) is made again."""
+    key: list[int | tuple[int, int]] = []
+    for m in modules:
+        key.append(id(m))
+        for t in (*m._parameters.values(), *m._buffers.values()):
+            if t is not None:  # inference tensors have no version counter
+                key.append((t.data_ptr(), 0 if t.is_inference() else t._version))
+    return tuple(key)
 
 
 def plan_for(model: Any, sentences: int) -> DecoderPlan | None:
@@ -214,11 +229,16 @@ def plan_for(model: Any, sentences: int) -> DecoderPlan | None:
         or torch.is_grad_enabled()
         or native.library() is None
         or not native.attention_applies(torch.float32, model.cfg.h, model.cfg.d_k, model.cfg.d_v)
-        or any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
-        or any(t.device.type != "cpu" for t in model.parameters())
+        or torch.nn.modules.module._global_forward_hooks
+        or torch.nn.modules.module._global_forward_pre_hooks
     ):
         return None
-    key = _key(model)
+    modules = _modules(model)
+    if any(m._forward_hooks or m._forward_pre_hooks for m in modules) or any(
+        t.device.type != "cpu" for t in model.generator.parameters()
+    ):
+        return None
+    key = _key(modules)
     cached = getattr(model, "_decoder_plan", None)
     if cached is not None and cached[0] == key:
         plan = cached[1]
@@ -248,18 +268,23 @@ class NativeStates:
             *[_Layer.from_buffer_copy(x) for x in plan.layer_structs]
         )
         self.decoder.layer = ctypes.cast(self.layers, ctypes.POINTER(_Layer))
+        self._dec = ctypes.byref(self.decoder)
         self._set_kv(kv)
         capacity = max(1, capacity)
         self.tables: list[Tensor] = []
-        self.addresses = torch.empty(capacity, dtype=torch.int64)
+        self.addresses = (ctypes.c_int64 * capacity)()  # step i's table, for the C code
         self.path = torch.empty(0, capacity, dtype=torch.int64)
         self.index: Tensor | None = None
         self._rows = 0
+        self._width = plan.layers * plan.h * (2 * plan.d_k + plan.d_v)
+        self._mask: tuple[Tensor, Tensor] | None = None  # (the search's mask, as C reads it)
+        self._excluded: dict[tuple[int, ...], Tensor] = {}
         self.work = torch.empty(0, dtype=torch.float32)
         self.step_fn, self.work_fn = _functions(native.library())  # type: ignore[arg-type]
 
     def _set_kv(self, kv: list[tuple[Tensor, Tensor]]) -> None:
         self.kv = [(k.float().contiguous(), v.float().contiguous()) for k, v in kv]
+        self._sentences = self.kv[0][0].size(0)
         for layer, (k, v) in zip(self.layers, self.kv, strict=True):
             layer.mem_k, layer.mem_v = k.data_ptr(), v.data_ptr()
 
@@ -279,6 +304,18 @@ class NativeStates:
                 [(k.index_select(0, sentences), v.index_select(0, sentences)) for k, v in self.kv]
             )
 
+    def _c_mask(self, src_mask: Tensor, rows: int) -> Tensor:
+        """The search's source mask as bytes, one row per hypothesis row, unit column
+        stride; converted once per mask the search passes (it passes the same one every
+        step until it drops sentences)."""
+        if self._mask is not None and self._mask[0] is src_mask:
+            return self._mask[1]
+        mask = src_mask.reshape(rows, -1)
+        if mask.dtype != torch.bool or mask.stride(1) != 1:
+            mask = mask.to(torch.bool).contiguous()
+        self._mask = (src_mask, mask)
+        return mask
+
     def _run(
         self,
         tokens: Tensor,
@@ -289,48 +326,50 @@ class NativeStates:
         val: Tensor | None = None,
         idx: Tensor | None = None,
     ) -> None:
-        rows, t = tokens.size(0), self.length
-        plan = self.plan
-        if t >= plan.decoder.max_positions:
+        """One step for every row (the C function's arguments made here; see
+        csrc/decoder_step.c). Kept to a few Python operations: at batch 1 they are a
+        visible part of the step."""
+        rows, t = tokens.size(0), len(self.tables)
+        dec = self.decoder
+        if t >= dec.max_positions:
             raise ValueError(
-                f"sequence of length {t + 1} exceeds max_positions={plan.decoder.max_positions}"
+                f"sequence of length {t + 1} exceeds max_positions={dec.max_positions}"
             )
-        if t == self.addresses.numel():  # more steps than planned: twice the room
-            self.addresses = torch.cat([self.addresses, torch.empty_like(self.addresses)])
+        if t == len(self.addresses):  # more steps than planned: twice the room
+            grown = (ctypes.c_int64 * (2 * t))()
+            ctypes.memmove(grown, self.addresses, 8 * t)
+            self.addresses = grown
             self.path = torch.cat([self.path, torch.empty_like(self.path)], dim=1)
-        index = self.index
         if rows > self.path.size(0):
-            grown = torch.empty(rows, self.path.size(1), dtype=torch.int64)
-            grown[: self.path.size(0)] = self.path
-            self.path = grown
+            grown_path = torch.empty(rows, self.path.size(1), dtype=torch.int64)
+            grown_path[: self.path.size(0)] = self.path
+            self.path = grown_path
+        index = self.index
         if index is not None:
-            index = index.to(torch.int64).contiguous()
+            if index.dtype != torch.int64 or not index.is_contiguous():
+                index = index.to(torch.int64).contiguous()
             if index.numel() != rows:
                 raise ValueError(f"{rows} rows after a reordering to {index.numel()}")
         elif t > 0 and rows != self._rows:
             raise ValueError(f"{rows} new rows for a cache of {self._rows}")
-        width = plan.layers * plan.h * (2 * plan.d_k + plan.d_v)
-        table = torch.empty(rows, width, dtype=torch.float32)
+        table = torch.empty(rows, self._width, dtype=torch.float32)
         self.addresses[t] = table.data_ptr()
-        mask = src_mask.reshape(rows, -1)
-        if mask.dtype != torch.bool or mask.stride(1) != 1:
-            mask = mask.to(torch.bool).contiguous()
-        g = rows // self.kv[0][0].size(0)
-        s = mask.size(1)
-        dec = self.decoder
+        mask = self._c_mask(src_mask, rows)
+        g, s = rows // self._sentences, mask.size(1)
         if logits is None:
             dec.out_block = self._out_block(rows)
-        need = self.work_fn(ctypes.byref(dec), rows, t, g, s)
+        need = self.work_fn(self._dec, rows, t, g, s)
         if self.work.numel() < need:
             self.work = torch.empty(2 * need, dtype=torch.float32)
-        tok = tokens.reshape(rows).to(torch.int64).contiguous()
-        self.step_fn(
-            ctypes.byref(dec),
+        tok = tokens.reshape(rows)
+        if tok.dtype != torch.int64 or not tok.is_contiguous():
+            tok = tok.to(torch.int64).contiguous()
+        self._call(
             tok.data_ptr(),
             rows,
             t,
             table.data_ptr(),
-            self.addresses.data_ptr(),
+            self.addresses,
             self.path.data_ptr(),
             self.path.stride(0),
             None if index is None else index.data_ptr(),
@@ -349,6 +388,11 @@ class NativeStates:
         self.tables.append(table)
         self.index = None
         self._rows = rows
+
+    def _call(self, *args: Any) -> None:
+        """The C step itself (its own method so that benchmarks/step_breakdown.py can time
+        it apart from the Python around it)."""
+        self.step_fn(self._dec, *args)
 
     def _out_block(self, rows: int) -> int:
         """Columns of int8 products per block of the output layer: `Int8Linear.lse_topk`'s."""
@@ -373,7 +417,9 @@ class NativeStates:
     ) -> tuple[Tensor, Tensor] | None:
         """The search's `best_next_tokens`: (R, k) log P and tokens; None where the C
         top-k does not apply (fewer than k eligible tokens: the caller takes the logits)."""
-        excl = native._columns(exclude, self.plan.vocab)
+        excl = self._excluded.get(exclude)
+        if excl is None:
+            excl = self._excluded[exclude] = native._columns(exclude, self.plan.vocab)
         if self.plan.vocab - len(excl) < k or k < 1:
             return None
         rows = tokens.size(0)
