@@ -220,3 +220,35 @@ def test_a_plan_follows_weights_written_in_place(monkeypatch) -> None:
     assert (
         [h[0].tokens for h in got] == [h[0].tokens for h in want] != [h[0].tokens for h in before]
     )
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_the_one_call_encoder_and_memory_keys_are_the_per_layer_paths(norm, monkeypatch) -> None:
+    """`encode` in one C call (padded batch, post- and pre-LN) equals the PyTorch path at
+    every real position to float32 rounding, and the encoder-decoder keys and values of
+    `DecoderPlan.memory_kv` equal `project_kv`'s; in int8 the products are the same C
+    code, so the outputs differ only where a value rounds to the neighbouring step."""
+    src = sources(n=5)
+    for dtype, tol in (("fp32", 1e-5), ("int8", 0.1)):
+        paper, fast = models(dtype, norm=norm)
+        with torch.inference_mode():
+            monkeypatch.setenv("AIAYN_NATIVE_STEP", "0")
+            want, mask = fast.encode(src)
+            ref, _ = paper.encode(src)
+            monkeypatch.setenv("AIAYN_NATIVE_STEP", "1")
+            got, got_mask = fast.encode(src)
+            plan = plan_for(fast, src.size(0))
+            assert plan is not None
+            kv = plan.memory_kv(want)
+        assert torch.equal(got_mask, mask)
+        real = mask[:, 0, 0, :, None]
+        err = ((got - want).abs() * real).max().item()
+        assert err <= tol, (dtype, err)
+        if dtype == "int8":  # no further from the paper's float32 model than PyTorch's
+            n = real.sum().item()
+            c_err = ((got - ref).abs() * real).sum().item() / n
+            torch_err = ((want - ref).abs() * real).sum().item() / n
+            assert c_err <= 1.1 * torch_err
+        for layer, (k, v) in zip(fast.decoder, kv, strict=True):
+            k_want, v_want = layer.cross_attn.project_kv(want)
+            assert torch.allclose(k, k_want, atol=1e-5) and torch.allclose(v, v_want, atol=1e-5)

@@ -1,5 +1,5 @@
 """The decoder's incremental step as one compiled call (csrc/decoder_step.c), for small
-batches on the CPU.
+batches on the CPU; likewise the encoder and the decoder's keys and values of its output.
 
 Why: at batch 1 a beam step of a small model is ~50 PyTorch operators of a few
 microseconds of arithmetic each plus the Python between them; dispatch and the
@@ -17,13 +17,17 @@ overridden decoding step; bf16 models take the PyTorch path. Which batches: ever
 of an int8 model on one thread (a server's or `translate --workers`' processes); up to
 `MAX_SENTENCES` sentences a search otherwise, larger batches being faster through MKL's
 float32 products and oneDNN's second thread (the per-layer path).
+The encoder (`encode`, from `FastTransformer.encode`) and the encoder-decoder keys and
+values (`DecoderPlan.memory_kv`) take one call each under the same rule, in float32 only
+up to `MAX_ENCODER_ROWS` source positions (MKL's products win beyond).
 `AIAYN_NATIVE_STEP=1`: every batch, `0`: none. Where a run takes both paths (float32, or
 more than one thread), a sentence's scores may differ in their last float bits between a
 small and a large batch.
 
 The outputs are the PyTorch path's up to float rounding: an int8 layer's arithmetic is
-the same C code (`Int8Linear`); float32 products and LayerNorm sum in another order
-(tests/fast/test_decoder_step.py compares both with the paper model's search).
+the same C code (`Int8Linear`); float32 products, attention and LayerNorm sum in another
+order, so an int8 layer may round a value to the neighbouring step (tests/fast/
+test_decoder_step.py compares both with the paper model's search).
 """
 
 from __future__ import annotations
@@ -41,6 +45,10 @@ from aiayn.fast.int8_ops import LSE_TOPK_BLOCK_BYTES, Int8Linear
 #: Sentences a search up to which the compiled step is used by default (measured:
 #: docs/performance.md, "A step at batch 1").
 MAX_SENTENCES = 16
+#: Source positions (sentences x length) up to which a float32 encoder, and the decoder's
+#: keys and values of its output, run in one call (measured: docs/performance.md, "A step
+#: at batch 1").
+MAX_ENCODER_ROWS = 64
 
 _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
@@ -69,6 +77,7 @@ class _Layer(ctypes.Structure):
         ("norm_b", _P * 3),
         ("mem_k", _P),
         ("mem_v", _P),
+        ("cross_kv", _Linear),
     ]
 
 
@@ -96,13 +105,20 @@ class _Decoder(ctypes.Structure):
 
 
 def _functions(lib: ctypes.CDLL) -> tuple[Any, Any]:
-    """The step and its workspace size, with their C signatures."""
+    """The step and its workspace size, with their C signatures (and the encoder's)."""
     step, work = lib.aiayn_decoder_step, lib.aiayn_decoder_workspace
     d = ctypes.POINTER(_Decoder)
     step.argtypes = [d, _P, _I64, _I64, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _P,
                      _INT, _P, _INT, _P, _P, _P]  # fmt: skip
     step.restype = None
     work.argtypes, work.restype = [d, _I64, _I64, _I64, _I64], _I64
+    for name in ("aiayn_encoder_workspace", "aiayn_memory_kv_workspace"):
+        f = getattr(lib, name)
+        f.argtypes, f.restype = [d, _I64, _I64], _I64
+    lib.aiayn_encode.argtypes = [d, _P, _I64, _I64, _P, _P, _P]
+    lib.aiayn_encode.restype = None
+    lib.aiayn_memory_kv.argtypes = [d, _P, _I64, _I64, _P, _P, _P]
+    lib.aiayn_memory_kv.restype = None
     return step, work
 
 
@@ -111,12 +127,14 @@ def _f32(t: Tensor | None) -> bool:
 
 
 class DecoderPlan:
-    """A model's decoder laid out for the compiled step: pointers to its float32 weights,
-    int8 layers' weights packed once. Holds references to every tensor it points into."""
+    """A model laid out for the compiled step and encoder: pointers to its float32
+    weights, int8 layers' weights packed once (`decoder`, and `encoder`: the same struct
+    over the encoder's layers). Holds references to every tensor it points into."""
 
     def __init__(self, model: Any) -> None:
         cfg = model.cfg
         self.keep: list[Tensor] = []
+        self.encoder_layers = self._encoder_layers(model)
         self.h, self.d_k, self.d_v, self.layers = cfg.h, cfg.d_k, cfg.d_v, cfg.N
         self.vocab = cfg.vocab_size
         layers = (_Layer * cfg.N)()
@@ -128,6 +146,7 @@ class DecoderPlan:
             layers[i].cross_o = self._linear(ca.w_o)
             layers[i].ff1 = self._linear(layer.ffn.w_1)
             layers[i].ff2 = self._linear(layer.ffn.w_2)
+            layers[i].cross_kv = self._linear(ca.w_kv)
             for j, norm in enumerate((layer.norm1, layer.norm2, layer.norm3)):
                 layers[i].norm_w[j] = self._ptr(norm.weight)
                 layers[i].norm_b[j] = self._ptr(norm.bias)
@@ -159,6 +178,67 @@ class DecoderPlan:
             out=self._linear(model.generator),
             out_block=cfg.vocab_size,
         )
+        self.decoder.layer = ctypes.cast(self.layer_structs, ctypes.POINTER(_Layer))
+        src, enc_final = model.src_embed, model.encoder_norm
+        self.encoder = _Decoder.from_buffer_copy(self.decoder)
+        self.encoder.max_positions = src.max_positions
+        self.encoder.emb_scale = float(src.scale)
+        self.encoder.emb = self._ptr(src.token.weight)
+        self.encoder.pe = self._ptr(src.positions())
+        self.encoder.final_w = None if enc_final is None else self._ptr(enc_final.weight)
+        self.encoder.final_b = None if enc_final is None else self._ptr(enc_final.bias)
+        self.encoder.layer = ctypes.cast(self.encoder_layers, ctypes.POINTER(_Layer))
+        lib = native.library()
+        if lib is None:
+            raise ValueError("no compiled library")
+        self.lib: ctypes.CDLL = lib
+        _functions(lib)  # their C signatures
+
+    def _encoder_layers(self, model: Any) -> Any:
+        layers = (_Layer * len(model.encoder))()
+        for i, layer in enumerate(model.encoder):
+            layers[i].qkv = self._linear(layer.self_attn.w_qkv)
+            layers[i].self_o = self._linear(layer.self_attn.w_o)
+            layers[i].ff1 = self._linear(layer.ffn.w_1)
+            layers[i].ff2 = self._linear(layer.ffn.w_2)
+            for j, norm in enumerate((layer.norm1, layer.norm2)):
+                layers[i].norm_w[j] = self._ptr(norm.weight)
+                layers[i].norm_b[j] = self._ptr(norm.bias)
+        return layers
+
+    def encode(self, src: Tensor, mask: Tensor) -> Tensor:
+        """The encoder's output (A, S, d_model) for src (A, S), mask (A, 1, 1, S) True at
+        real tokens, in one C call (csrc/decoder_step.c, `aiayn_encode`)."""
+        a, s = src.shape
+        if s > self.encoder.max_positions:
+            raise ValueError(
+                f"sequence of length {s} exceeds max_positions={self.encoder.max_positions}"
+            )
+        tokens = (
+            src if src.dtype == torch.int64 and src.is_contiguous() else src.long().contiguous()
+        )
+        bytes_ = mask.reshape(a, s).contiguous()
+        enc = ctypes.byref(self.encoder)
+        work = torch.empty(self.lib.aiayn_encoder_workspace(enc, a, s), dtype=torch.float32)
+        out = torch.empty(a, s, self.encoder.d_model, dtype=torch.float32)
+        self.lib.aiayn_encode(
+            enc, tokens.data_ptr(), a, s, bytes_.data_ptr(), out.data_ptr(), work.data_ptr()
+        )
+        return out
+
+    def memory_kv(self, memory: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """Every decoder layer's encoder-decoder keys and values of `memory` (A, S, D):
+        (A, h, S, d_k) and (A, h, S, d_v) each, as `project_kv` gives them, in one call."""
+        a, s, _ = memory.shape
+        memory = memory.contiguous()
+        dec = ctypes.byref(self.decoder)
+        work = torch.empty(self.lib.aiayn_memory_kv_workspace(dec, a, s), dtype=torch.float32)
+        k = torch.empty(self.layers, a, self.h, s, self.d_k, dtype=torch.float32)
+        v = torch.empty(self.layers, a, self.h, s, self.d_v, dtype=torch.float32)
+        self.lib.aiayn_memory_kv(
+            dec, memory.data_ptr(), a, s, k.data_ptr(), v.data_ptr(), work.data_ptr()
+        )
+        return list(zip(k.unbind(0), v.unbind(0), strict=True))
 
     def _ptr(self, t: Tensor) -> int:
         t = t.detach()
@@ -435,5 +515,19 @@ def init_states(model: Any, memory: Tensor, max_len: int) -> NativeStates | None
     plan = plan_for(model, memory.size(0))
     if plan is None or memory.dtype != torch.float32:
         return None
-    kv = [layer.cross_attn.project_kv(memory) for layer in model.decoder]
+    if plan.int8 or memory.size(0) * memory.size(1) <= MAX_ENCODER_ROWS:
+        kv = plan.memory_kv(memory)
+    else:  # float32 products of many positions: MKL's are faster
+        kv = [layer.cross_attn.project_kv(memory) for layer in model.decoder]
     return NativeStates(plan, kv, max_len)
+
+
+def encode(model: Any, src: Tensor, mask: Tensor) -> Tensor | None:
+    """The encoder's output for src (A, S) in one C call (`DecoderPlan.encode`), or None
+    where the compiled step does not apply to a search over these sentences (`plan_for`)
+    or the batch has more than `MAX_ENCODER_ROWS` positions in float32 (MKL's products
+    are faster there)."""
+    plan = plan_for(model, src.size(0))
+    if plan is None or (not plan.int8 and src.numel() > MAX_ENCODER_ROWS):
+        return None
+    return plan.encode(src, mask)

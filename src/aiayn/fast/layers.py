@@ -226,7 +226,13 @@ class FastTransformer(paper.Transformer):
         return packing if packing.padded else None
 
     def encode(self, src: Tensor) -> tuple[Tensor, Tensor]:
+        """The paper's; for a search's small batch on the CPU (`decoder_step.encode`), one
+        C call."""
         mask = self.src_mask(src)
+        if src.device.type == "cpu" and self._own_steps():
+            memory = decoder_step.encode(self, src, mask)
+            if memory is not None:
+                return memory, mask
         packing = self.packing(src)
         memory = self._encode(src, mask, packing)
         return (memory if packing is None else packing.unpack(memory)), mask
@@ -272,11 +278,9 @@ class FastTransformer(paper.Transformer):
         cfg = self.cfg
         if not compiled_decoding(memory, cfg.h, cfg.d_k, cfg.d_v):
             return super().init_state(memory, max_len)
-        own_step = all(  # a subclass's own step is what it says: not compiled
-            getattr(type(self), f) is getattr(FastTransformer, f)
-            for f in ("init_state", "decode_step", "decode_hidden")
+        native_states = (
+            decoder_step.init_states(self, memory, max_len) if self._own_steps() else None
         )
-        native_states = decoder_step.init_states(self, memory, max_len) if own_step else None
         if native_states is not None:  # a small batch: the whole step in one C call
             return native_states  # type: ignore[return-value]
         states = []
@@ -285,6 +289,15 @@ class FastTransformer(paper.Transformer):
             k, v = layer.cross_attn.project_kv(memory)
             states.append(paper.LayerState(cache, (k.contiguous(), v.contiguous())))  # type: ignore[arg-type]
         return states
+
+    def _own_steps(self) -> bool:
+        """The decoding methods are this class's: a subclass's own are what they say, not
+        compiled."""
+        cls = type(self)
+        return cls is FastTransformer or all(
+            getattr(cls, f) is getattr(FastTransformer, f)
+            for f in ("encode", "_encode", "init_state", "decode_step", "decode_hidden")
+        )
 
     def decode_step(
         self, tokens: Tensor, src_mask: Tensor, states: list[paper.LayerState]

@@ -70,6 +70,7 @@ typedef struct {
     aiayn_linear qkv, self_o, cross_q, cross_o, ff1, ff2;
     const float *norm_w[3], *norm_b[3];
     const float *mem_k, *mem_v; /* (A, h, S, d_k), (A, h, S, d_v): this search's */
+    aiayn_linear cross_kv;      /* the encoder-decoder attention's keys and values */
 } aiayn_decoder_layer;
 
 typedef struct {
@@ -332,5 +333,113 @@ void aiayn_decoder_step(const aiayn_decoder *m, const int64_t *tokens, int64_t r
         aiayn_lse_topk_i32_block(acc, 0, rows, n, n, c0, row_scale, o->scale + c0,
                                  o->bias ? o->bias + c0 : NULL, top_k, excl, n_excl, c1 == V,
                                  buf, run_m, run_s, top_val, top_idx);
+    }
+}
+
+/* ------------------------------------------------------------------ the encoder
+ * The encoder of a small batch in one call, with the same layers: an encoder is an
+ * aiayn_decoder whose layers use qkv, self_o, ff1, ff2 and norms 0 and 1 (vocab and the
+ * output layer unused). Self-attention over a sentence's own positions is the memory
+ * attention with every position of the sentence as a query (g = S), its keys and values
+ * laid out (A, h, S, d) first. */
+
+static int64_t widest(const aiayn_decoder *m) {
+    int64_t hk = m->h * m->d_k, hv = m->h * m->d_v, wide = 2 * hk + hv;
+    if (m->d_ff > wide) wide = m->d_ff;
+    if (m->d_model > wide) wide = m->d_model;
+    return wide;
+}
+
+/* Floats of workspace aiayn_encode needs for A sentences of S positions. */
+int64_t aiayn_encoder_workspace(const aiayn_decoder *m, int64_t A, int64_t S) {
+    const int64_t rows = A * S, wide = widest(m);
+    return 5 * rows * wide               /* normed, qkv, attention out, hidden, products */
+           + (rows * wide) / 4 + 1       /* int8 rows */
+           + rows                        /* row scales */
+           + A * m->h * S * (m->d_k + m->d_v) /* keys and values, by head */
+           + 2 * S * S                   /* attention scratch */
+           + 64;
+}
+
+/* qkv rows (A*S, ld) -> k (A, H, S, dk) and v (A, H, S, dv), from columns k_off, v_off. */
+static void by_head(const float *qkv, int64_t ld, int64_t k_off, int64_t v_off, int64_t A,
+                    int64_t S, int64_t H, int64_t dk, int64_t dv, float *k, float *v) {
+    for (int64_t a = 0; a < A; a++)
+        for (int64_t h = 0; h < H; h++)
+            for (int64_t p = 0; p < S; p++) {
+                const float *row = qkv + (a * S + p) * ld;
+                memcpy(k + ((a * H + h) * S + p) * dk, row + k_off + h * dk, (size_t)dk * 4);
+                memcpy(v + ((a * H + h) * S + p) * dv, row + v_off + h * dv, (size_t)dv * 4);
+            }
+}
+
+/* out (A*S, d_model) = the encoder's output for tokens (A, S); mask (A, S) bytes, 1 = a
+ * real position. Padded positions are computed as PyTorch computes them (their outputs
+ * are never attended to). work: aiayn_encoder_workspace floats. */
+void aiayn_encode(const aiayn_decoder *m, const int64_t *tokens, int64_t A, int64_t S,
+                  const uint8_t *mask, float *out, float *work) {
+    const int64_t D = m->d_model, H = m->h, dk = m->d_k, dv = m->d_v;
+    const int64_t hk = H * dk, hv = H * dv, w3 = 2 * hk + hv, rows = A * S;
+    const int64_t wide = widest(m);
+    float *x = out, *normed = work, *qkv = normed + rows * wide, *att = qkv + rows * wide;
+    float *hid = att + rows * wide, *accf = hid + rows * wide;
+    int32_t *acc = (int32_t *)accf;
+    int8_t *q = (int8_t *)(accf + rows * wide);
+    float *row_scale = (float *)q + (rows * wide) / 4 + 1;
+    float *k = row_scale + rows, *v = k + A * H * S * dk, *scratch = v + A * H * S * dv;
+    for (int64_t a = 0; a < A; a++)
+        for (int64_t p = 0; p < S; p++) embed(m, tokens + a * S + p, 1, p, x + (a * S + p) * D);
+    const float scale = 1.0f / sqrtf((float)dk);
+    for (int64_t l = 0; l < m->layers; l++) {
+        const aiayn_decoder_layer *ly = m->layer + l;
+        const float *in = x;
+        if (m->pre_norm) {
+            layer_norm(x, NULL, rows, D, ly->norm_w[0], ly->norm_b[0], m->eps, normed);
+            in = normed;
+        }
+        linear(&ly->qkv, in, D, rows, qkv, w3, 0, q, row_scale, acc);
+        by_head(qkv, w3, hk, 2 * hk, A, S, H, dk, dv, k, v);
+        aiayn_memory_attention_f32(qkv, w3, k, v, mask, S, 0, A, S, S, (int)H, (int)dk,
+                                   (int)dv, scale, scratch, att, hv);
+        linear(&ly->self_o, att, hv, rows, hid, D, 0, q, row_scale, acc);
+        if (m->pre_norm)
+            add_into(x, hid, rows * D);
+        else
+            layer_norm(x, hid, rows, D, ly->norm_w[0], ly->norm_b[0], m->eps, x);
+        in = x;
+        if (m->pre_norm) {
+            layer_norm(x, NULL, rows, D, ly->norm_w[1], ly->norm_b[1], m->eps, normed);
+            in = normed;
+        }
+        linear(&ly->ff1, in, D, rows, att, m->d_ff, 1, q, row_scale, acc);
+        linear(&ly->ff2, att, m->d_ff, rows, hid, D, 0, q, row_scale, acc);
+        if (m->pre_norm)
+            add_into(x, hid, rows * D);
+        else
+            layer_norm(x, hid, rows, D, ly->norm_w[1], ly->norm_b[1], m->eps, x);
+    }
+    if (m->final_w) layer_norm(x, NULL, rows, D, m->final_w, m->final_b, m->eps, x);
+}
+
+/* Floats of workspace aiayn_memory_kv needs for A sentences of S positions. */
+int64_t aiayn_memory_kv_workspace(const aiayn_decoder *m, int64_t A, int64_t S) {
+    const int64_t rows = A * S, n = m->h * (m->d_k + m->d_v), w = n > m->d_model ? n : m->d_model;
+    return 2 * rows * w + (rows * w) / 4 + 1 + rows + 64;
+}
+
+/* Every decoder layer's encoder-decoder keys and values of memory (A*S, d_model): layer
+ * l's into k + l*A*H*S*dk (A, H, S, dk) and v + l*A*H*S*dv (A, H, S, dv). */
+void aiayn_memory_kv(const aiayn_decoder *m, const float *memory, int64_t A, int64_t S,
+                     float *k, float *v, float *work) {
+    const int64_t D = m->d_model, H = m->h, dk = m->d_k, dv = m->d_v, rows = A * S;
+    const int64_t n = H * (dk + dv), w = n > D ? n : D;
+    float *kv = work, *accf = kv + rows * w;
+    int32_t *acc = (int32_t *)accf;
+    int8_t *q = (int8_t *)(accf + rows * w);
+    float *row_scale = (float *)q + (rows * w) / 4 + 1;
+    for (int64_t l = 0; l < m->layers; l++) {
+        linear(&m->layer[l].cross_kv, memory, D, rows, kv, n, 0, q, row_scale, acc);
+        by_head(kv, n, 0, H * dk, A, S, H, dk, dv, k + l * A * H * S * dk,
+                v + l * A * H * S * dv);
     }
 }
