@@ -11,9 +11,11 @@ model (`aiayn.experiments.bench.random_model`, random weights, vocabulary 8,000)
 sources of 12-16 tokens, every output forced to --out-len tokens, as `benchmarks/compare.py`
 does. A checkpoint: its own weights on the first sentences of --input (encoded by its
 tokenizer), outputs as long as each engine's search makes them (the mean length is printed
-beside the rate). CTranslate2 runs aiayn's model converted (`aiayn.deploy.export`) in each
-compute type given, `intra_threads=1`; aiayn runs `beam_search`/`greedy_search` on the
-fast model (`aiayn.fast.machine.cast_for_inference`) with `torch.set_num_threads(1)`.
+beside the rate). --per-layer adds aiayn with the decoder step as PyTorch operators
+(`AIAYN_NATIVE_STEP=0`, the path before the one-call step). CTranslate2 runs aiayn's
+model converted (`aiayn.deploy.export`) in each compute type given, `intra_threads=1`;
+aiayn runs `beam_search`/`greedy_search` on the fast model
+(`aiayn.fast.machine.cast_for_inference`) with `torch.set_num_threads(1)`.
 Rounds repeat the whole plan; the table keeps each cell's rounds and the ratio of aiayn's
 best to CTranslate2's best compute type's best.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -112,6 +115,12 @@ def main() -> int:
         help="about this long per cell: the sentences are sized by a first pass",
     )
     p.add_argument("--rounds", type=int, default=2, help="repeat the whole plan, interleaved")
+    p.add_argument(
+        "--per-layer",
+        action="store_true",
+        help="also aiayn with the step as PyTorch operators (AIAYN_NATIVE_STEP=0): the "
+        "path before the one-call step",
+    )
     p.add_argument("--json", help="also write every record here")
     args = p.parse_args()
     import ctranslate2
@@ -137,6 +146,8 @@ def main() -> int:
         for dtype in args.dtypes.split(","):
             fast = cast_for_inference(model, dtype)
             systems[f"aiayn {dtype}"] = ("aiayn", fast)
+            if args.per_layer:
+                systems[f"aiayn {dtype} per-layer"] = ("per-layer", fast)
         for ct in [x for x in args.ct2.split(",") if x]:
             systems[f"CT2 {ct}"] = (
                 "ct2",
@@ -146,7 +157,8 @@ def main() -> int:
         setups[name] = (ids, toks, out_len, systems)
 
     def run(kind: str, engine: Any, ids: list, toks: list, batch: int, beam: int, out_len: int):
-        if kind == "aiayn":
+        if kind in ("aiayn", "per-layer"):
+            os.environ["AIAYN_NATIVE_STEP"] = "0" if kind == "per-layer" else ""
             return aiayn_run(engine, ids, batch, beam, out_len)
         return ct2_run(engine, toks, batch, beam, out_len)
 

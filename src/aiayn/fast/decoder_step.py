@@ -515,7 +515,7 @@ def init_states(model: Any, memory: Tensor, max_len: int) -> NativeStates | None
     plan = plan_for(model, memory.size(0))
     if plan is None or memory.dtype != torch.float32:
         return None
-    if plan.int8 or memory.size(0) * memory.size(1) <= MAX_ENCODER_ROWS:
+    if _encoder_applies(plan, memory.size(0) * memory.size(1)):
         kv = plan.memory_kv(memory)
     else:  # float32 products of many positions: MKL's are faster
         kv = [layer.cross_attn.project_kv(memory) for layer in model.decoder]
@@ -528,6 +528,15 @@ def encode(model: Any, src: Tensor, mask: Tensor) -> Tensor | None:
     or the batch has more than `MAX_ENCODER_ROWS` positions in float32 (MKL's products
     are faster there)."""
     plan = plan_for(model, src.size(0))
-    if plan is None or (not plan.int8 and src.numel() > MAX_ENCODER_ROWS):
+    if plan is None or not _encoder_applies(plan, src.numel()):
         return None
     return plan.encode(src, mask)
+
+
+def _encoder_applies(plan: DecoderPlan, positions: int) -> bool:
+    """Whether the encoder's side (`encode`, `memory_kv`) takes one call for a batch of
+    `positions` source positions: int8 always, float32 up to `MAX_ENCODER_ROWS`, every
+    batch with `AIAYN_NATIVE_STEP=1`."""
+    return (
+        plan.int8 or positions <= MAX_ENCODER_ROWS or os.environ.get("AIAYN_NATIVE_STEP", "") == "1"
+    )
