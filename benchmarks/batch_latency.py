@@ -23,6 +23,7 @@ best to CTranslate2's best compute type's best.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -76,7 +77,7 @@ def aiayn_run(model: Any, ids: list[list[int]], batch: int, beam: int, out_len: 
         with torch.inference_mode():
             if beam == 1:
                 hyps = greedy_search(model, src, 0.0 if out_len else 1.0, cap[1], min_len=out_len)
-                lengths += [len(h.tokens) for h in hyps]
+                lengths += [len(h) for h in hyps]
             else:
                 found = beam_search(model, src, beam, 0.6, *cap, min_len=out_len)
                 lengths += [len(h[0].tokens) for h in found]
@@ -144,7 +145,7 @@ def main() -> int:
         out = to_ctranslate2(model, Path(tmp.name) / name, table, never_generate=NEVER_GENERATED)
         systems: dict[str, Any] = {}
         for dtype in args.dtypes.split(","):
-            fast = cast_for_inference(model, dtype)
+            fast = cast_for_inference(copy.deepcopy(model), dtype)  # casts in place
             systems[f"aiayn {dtype}"] = ("aiayn", fast)
             if args.per_layer:
                 systems[f"aiayn {dtype} per-layer"] = ("per-layer", fast)
@@ -215,7 +216,8 @@ def main() -> int:
                     rows = [x for x in cell if x["system"] == system]
                     rates = " / ".join(f"{x['sentences_per_s']:.1f}" for x in rows)
                     best = max(x["sentences_per_s"] for x in rows)
-                    ratio = f"{best / best_ct2:.2f}x" if system.startswith("aiayn") else ""
+                    aiayn = system.startswith("aiayn") and best_ct2 == best_ct2  # not NaN
+                    ratio = f"{best / best_ct2:.2f}x" if aiayn else ""
                     print(
                         f"| {name} | {batch} | {beam} | {system} | {rates} | "
                         f"{statistics.mean(x['mean_out_len'] for x in rows):.1f} | {ratio} |"

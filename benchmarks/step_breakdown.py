@@ -35,9 +35,9 @@ def build(args: argparse.Namespace) -> tuple[Any, torch.Tensor]:
     from aiayn.fast.machine import cast_for_inference
 
     if args.checkpoint:
-        from aiayn.checkpoint import load_model
+        from aiayn.checkpoints import load_model
 
-        model, _ = load_model(args.checkpoint)
+        model, _, _ = load_model(args.checkpoint)
         vocab = model.cfg.vocab_size
     else:
         model, vocab = random_model(args.preset, args.vocab), args.vocab

@@ -128,24 +128,6 @@ def output_caps(model: Any, src: Tensor, a: float, b: float) -> list[int]:
     return caps
 
 
-def next_logits(
-    model: IncrementalDecoder,
-    last: Tensor,
-    src_mask: Tensor,
-    states: Any,
-    exclude: tuple[int, ...] = NEVER_GENERATED,
-) -> Tensor:
-    """The model's next-token logits (R, V) in float32 (even if the model runs in bf16),
-    with -inf at the tokens that are not to be generated (`exclude`).
-
-    Args:
-        last: (R, 1) the newest token of each row. src_mask: (R, 1, 1, S).
-    """
-    logits = model.decode_step(last, src_mask, states).float()
-    logits[:, list(exclude)] = float("-inf")
-    return logits
-
-
 def excluded(step: int, min_len: int) -> tuple[int, ...]:
     """The tokens not to be generated after `step` output tokens: PAD and BOS always, EOS
     while the output is shorter than `min_len` (fairseq's --min-len)."""
@@ -288,9 +270,10 @@ def greedy_search(
     active = list(range(len(caps)))  # row -> sentence
     last = torch.full((len(caps), 1), BOS_ID, dtype=torch.long, device=src.device)
     for step in range(max(caps)):
-        best = next_logits(model, last, src_mask, states, excluded(step, min_len)).argmax(
-            dim=-1
-        )  # (R,)
+        # the most probable token: the best one of `best_next_tokens` (which a compiled
+        # step finds without writing the logits out)
+        _, top = best_next_tokens(model, last, src_mask, states, 1, excluded(step, min_len))
+        best = top[:, 0]  # (R,)
         keep = []
         for row, (sent, token) in enumerate(zip(active, best.tolist(), strict=True)):
             if token == EOS_ID:

@@ -122,6 +122,15 @@ def _functions(lib: ctypes.CDLL) -> tuple[Any, Any]:
     return step, work
 
 
+def _panels(w: Tensor) -> Tensor:
+    """A float32 weight (n, k) in the C step's panels of 8 output columns, k-major
+    (`gemm_f32_packed`: panel p holds W[8p:8p+8].T, zeros past n)."""
+    n, k = w.shape
+    padded = torch.zeros(-(-n // 8) * 8, k, dtype=torch.float32)
+    padded[:n] = w
+    return padded.view(-1, 8, k).transpose(1, 2).contiguous()
+
+
 def _f32(t: Tensor | None) -> bool:
     return t is None or (t.dtype == torch.float32 and t.is_contiguous())
 
@@ -270,6 +279,7 @@ class DecoderPlan:
             k=layer.in_features,
             int8=0,
             w=self._ptr(layer.weight),
+            packed=self._ptr(_panels(layer.weight.detach())),
             bias=None if layer.bias is None else self._ptr(layer.bias),
         )
 

@@ -55,13 +55,14 @@ void aiayn_lse_topk_i32_block(const int32_t *acc, int64_t r0, int64_t r1, int64_
                               const int64_t *excl, int n_excl, int last, float *buf, float *m,
                               float *s, float *val, int64_t *idx);
 
-/* A linear layer y = x W^T + b: float32 (w, n x k, row-major) or int8 (packed by
- * aiayn_int8_pack, scale one per output column). */
+/* A linear layer y = x W^T + b: float32 (w, n x k, row-major; packed, if not NULL, its
+ * panels for gemm_f32_packed) or int8 (packed by aiayn_int8_pack, scale one per output
+ * column). */
 typedef struct {
     int64_t n, k;
     int int8;
     const float *w;
-    const int8_t *packed;
+    const void *packed;
     const float *scale;
     const float *bias; /* or NULL */
 } aiayn_linear;
@@ -109,6 +110,53 @@ int64_t aiayn_decoder_workspace(const aiayn_decoder *m, int64_t rows, int64_t t,
            + 64;
 }
 
+/* float32 products on weights packed in panels of 8 output columns, k-major
+ * (packed[(p * k + i) * 8 + c] = W[8p + c][i], zero past n): each step of i broadcasts one
+ * input value per row against 16 columns, no horizontal sums, the panels read once per
+ * block of 4 rows (GCC vector extensions: AVX2/AVX-512 or SSE, by the build). */
+typedef float v8f __attribute__((vector_size(32), aligned(4)));
+
+static void gemm_f32_packed(const float *x, int64_t ldx, int64_t rows, int64_t k,
+                            const float *packed, int64_t n, float *y, int64_t ldy) {
+    const int64_t panels = (n + 7) / 8;
+    for (int64_t p = 0; p < panels; p += 2) {
+        const int two = p + 1 < panels;
+        const float *w0 = packed + p * k * 8, *w1 = two ? w0 + k * 8 : w0;
+        for (int64_t r = 0; r < rows; r += 4) {
+            const int64_t nr = rows - r < 4 ? rows - r : 4;
+            v8f acc[4][2];
+            memset(acc, 0, sizeof acc);
+            const float *x0 = x + r * ldx;
+            if (nr == 4) {
+                const float *x1 = x0 + ldx, *x2 = x1 + ldx, *x3 = x2 + ldx;
+                for (int64_t i = 0; i < k; i++) {
+                    const v8f a = *(const v8f *)(w0 + i * 8), b = *(const v8f *)(w1 + i * 8);
+                    acc[0][0] += x0[i] * a, acc[0][1] += x0[i] * b;
+                    acc[1][0] += x1[i] * a, acc[1][1] += x1[i] * b;
+                    acc[2][0] += x2[i] * a, acc[2][1] += x2[i] * b;
+                    acc[3][0] += x3[i] * a, acc[3][1] += x3[i] * b;
+                }
+            } else {
+                for (int64_t i = 0; i < k; i++) {
+                    const v8f a = *(const v8f *)(w0 + i * 8), b = *(const v8f *)(w1 + i * 8);
+                    for (int64_t rr = 0; rr < nr; rr++) {
+                        const float xv = x0[rr * ldx + i];
+                        acc[rr][0] += xv * a, acc[rr][1] += xv * b;
+                    }
+                }
+            }
+            for (int64_t rr = 0; rr < nr; rr++) {
+                float *yr = y + (r + rr) * ldy;
+                for (int h = 0; h < 1 + two; h++)
+                    for (int c = 0; c < 8; c++) {
+                        const int64_t col = (p + h) * 8 + c;
+                        if (col < n) yr[col] = acc[rr][h][c];
+                    }
+            }
+        }
+    }
+}
+
 /* y (rows x n, row stride ldy) = x (rows x k, stride ldx) W^T + b, (max(0, .) if relu). */
 static void linear(const aiayn_linear *L, const float *x, int64_t ldx, int64_t rows, float *y,
                    int64_t ldy, int relu, int8_t *q, float *row_scale, int32_t *acc) {
@@ -122,32 +170,36 @@ static void linear(const aiayn_linear *L, const float *x, int64_t ldx, int64_t r
             for (int64_t r = 0; r < rows; r++) memcpy(y + r * ldy, f + r * n, (size_t)n * 4);
         return;
     }
-    /* float32: four output columns at a time, each weight row read once for all rows */
-    int64_t j = 0;
-    for (; j + 4 <= n; j += 4) {
-        const float *w0 = L->w + j * k, *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k;
-        for (int64_t r = 0; r < rows; r++) {
-            const float *xr = x + r * ldx;
-            float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+    if (L->packed) {
+        gemm_f32_packed(x, ldx, rows, k, (const float *)L->packed, n, y, ldy);
+    } else {
+        /* float32 unpacked: four output columns at a time, each weight row read once */
+        int64_t j = 0;
+        for (; j + 4 <= n; j += 4) {
+            const float *w0 = L->w + j * k, *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k;
+            for (int64_t r = 0; r < rows; r++) {
+                const float *xr = x + r * ldx;
+                float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
 #pragma omp simd reduction(+ : s0, s1, s2, s3)
-            for (int64_t i = 0; i < k; i++) {
-                s0 += xr[i] * w0[i];
-                s1 += xr[i] * w1[i];
-                s2 += xr[i] * w2[i];
-                s3 += xr[i] * w3[i];
+                for (int64_t i = 0; i < k; i++) {
+                    s0 += xr[i] * w0[i];
+                    s1 += xr[i] * w1[i];
+                    s2 += xr[i] * w2[i];
+                    s3 += xr[i] * w3[i];
+                }
+                float *yr = y + r * ldy + j;
+                yr[0] = s0, yr[1] = s1, yr[2] = s2, yr[3] = s3;
             }
-            float *yr = y + r * ldy + j;
-            yr[0] = s0, yr[1] = s1, yr[2] = s2, yr[3] = s3;
         }
-    }
-    for (; j < n; j++) {
-        const float *w0 = L->w + j * k;
-        for (int64_t r = 0; r < rows; r++) {
-            const float *xr = x + r * ldx;
-            float s0 = 0.0f;
+        for (; j < n; j++) {
+            const float *w0 = L->w + j * k;
+            for (int64_t r = 0; r < rows; r++) {
+                const float *xr = x + r * ldx;
+                float s0 = 0.0f;
 #pragma omp simd reduction(+ : s0)
-            for (int64_t i = 0; i < k; i++) s0 += xr[i] * w0[i];
-            y[r * ldy + j] = s0;
+                for (int64_t i = 0; i < k; i++) s0 += xr[i] * w0[i];
+                y[r * ldy + j] = s0;
+            }
         }
     }
     for (int64_t r = 0; r < rows; r++) {
