@@ -112,3 +112,23 @@ def test_decoding_runs_with_the_objects_before_it_frozen(workers: int) -> None:
         assert gc.get_freeze_count() > 0
     finally:
         gc.unfreeze()
+
+
+def test_a_server_that_froze_for_its_workers_is_not_asked_again(monkeypatch) -> None:
+    """After `freeze_for_workers` (the server, before forking), decoding neither counts the
+    frozen objects (`gc.get_freeze_count` walks all of them: ~11 ms a call for a loaded
+    model, on every request) nor unfreezes them."""
+    from aiayn.decoding import workers
+
+    def walk() -> int:
+        raise AssertionError("gc.get_freeze_count walks every frozen object")
+
+    monkeypatch.setattr(workers, "_kept_frozen", False)
+    try:
+        workers.freeze_for_workers()
+        monkeypatch.setattr(workers.gc, "get_freeze_count", walk)
+        assert map_batches(lambda i: i * i, 3) == [0, 1, 4]
+        monkeypatch.undo()
+        assert gc.get_freeze_count() > 1000  # still frozen
+    finally:
+        gc.unfreeze()

@@ -200,7 +200,8 @@ def translate_nbest(
     kept = [i for i, s in enumerate(sources) if s is not None]  # blank lines skip the model
     if progress is not None and stats.empty:
         progress(stats.empty)
-    model.eval()
+    if any(m.training for m in model.modules()):  # eval() itself walks and sets every
+        model.eval()  # module: ~1 ms a call, a tenth of a one-sentence request
     # decode_batches counts the EOS itself: pass the lengths without it.
     batches = [
         [kept[r] for r in rows]

@@ -55,6 +55,20 @@ def check_workers(workers: int, device: str | torch.device = "cpu") -> None:
         raise ValueError("workers > 1 needs the 'fork' start method (Linux, macOS)")
 
 
+#: Set by `freeze_for_workers`: this process keeps its objects frozen for good.
+_kept_frozen = False
+
+
+def freeze_for_workers() -> None:
+    """Freeze every object now, for good, before forking long-lived workers (`aiayn serve`):
+    they inherit the objects frozen, and copy-on-write keeps the pages shared. Recorded, so
+    that `gc_frozen` need not ask `gc.get_freeze_count()`, which walks every frozen object
+    (~11 ms for ~170,000: measured on every request of a server before this)."""
+    global _kept_frozen
+    gc.freeze()
+    _kept_frozen = True
+
+
 @contextlib.contextmanager
 def gc_frozen() -> Iterator[None]:
     """The objects that exist now out of the garbage collector's sight until the block ends
@@ -66,7 +80,8 @@ def gc_frozen() -> Iterator[None]:
     documentation of gc.freeze advises). Unfrozen at the end, so that nothing stays out of
     the collector's reach for longer, unless the caller had frozen objects itself (gc
     cannot unfreeze only some): then they all stay frozen."""
-    frozen_before = gc.get_freeze_count() > 0
+    # (get_freeze_count is instant when nothing is frozen, the usual case)
+    frozen_before = _kept_frozen or gc.get_freeze_count() > 0
     gc.freeze()
     try:
         yield

@@ -27,15 +27,14 @@ _forked_backend: Backend | None = None
 def _fork_workers(backend: Backend, workers: int) -> Executor:
     """`workers` processes forked now (before any request: no other thread holds a lock
     mid-way), each with one torch thread (aiayn.decoding.workers says why only one)."""
-    import gc
     import multiprocessing as mp
 
-    from aiayn.decoding.workers import check_workers
+    from aiayn.decoding.workers import check_workers, freeze_for_workers
 
     global _forked_backend
     check_workers(workers)
     _forked_backend = backend
-    gc.freeze()  # the model's objects stay shared, copy-on-write (aiayn.decoding.workers)
+    freeze_for_workers()  # the model's objects stay shared, copy-on-write
     pool = ProcessPoolExecutor(
         workers, mp_context=mp.get_context("fork"), initializer=_init_decoding_process
     )
