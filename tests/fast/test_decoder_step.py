@@ -252,3 +252,28 @@ def test_the_one_call_encoder_and_memory_keys_are_the_per_layer_paths(norm, monk
         for layer, (k, v) in zip(fast.decoder, kv, strict=True):
             k_want, v_want = layer.cross_attn.project_kv(want)
             assert torch.allclose(k, k_want, atol=1e-5) and torch.allclose(v, v_want, atol=1e-5)
+
+
+def test_a_step_of_fused_adam_between_searches_is_seen(monkeypatch) -> None:
+    """Fused Adam writes the weights in place without bumping their version counters, so
+    a plan cannot notice it: the one call must read trainable float32 weights live (as a
+    validation decode between training steps does), never a stale packed copy."""
+    monkeypatch.setenv("AIAYN_NATIVE_STEP", "1")
+    _, fast = models()
+    fast.requires_grad_(True)  # trainable, as in training (inference.cast turns it off)
+    src = sources(n=2)
+    with torch.inference_mode():
+        before = beam_search(fast, src, 2, 0.6, 1.0, 6)
+    opt = torch.optim.Adam(fast.parameters(), lr=0.5, fused=True)
+    for p in fast.parameters():
+        p.grad = torch.randn_like(p)
+    versions = [p._version for p in fast.parameters()]
+    opt.step()
+    assert [p._version for p in fast.parameters()] == versions  # the hazard itself
+    with torch.inference_mode():
+        got = beam_search(fast, src, 2, 0.6, 1.0, 6)
+        monkeypatch.setenv("AIAYN_NATIVE_STEP", "0")
+        want = beam_search(fast, src, 2, 0.6, 1.0, 6)
+    tokens = [[h.tokens for h in hs] for hs in got]
+    assert tokens == [[h.tokens for h in hs] for hs in want]
+    assert tokens != [[h.tokens for h in hs] for hs in before]

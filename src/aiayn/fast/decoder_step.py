@@ -24,6 +24,9 @@ up to `MAX_ENCODER_ROWS` source positions (MKL's products win beyond).
 more than one thread), a sentence's scores may differ in their last float bits between a
 small and a large batch.
 
+Long because the C structs' mirror, the plan that fills them and the state that drives the
+step change together with csrc/decoder_step.c's layout; split, each part would restate it.
+
 The outputs are the PyTorch path's up to float rounding: an int8 layer's arithmetic is
 the same C code (`Int8Linear`); float32 products, attention and LayerNorm sum in another
 order, so an int8 layer may round a value to the neighbouring step (tests/fast/
@@ -279,7 +282,11 @@ class DecoderPlan:
             k=layer.in_features,
             int8=0,
             w=self._ptr(layer.weight),
-            packed=self._ptr(_panels(layer.weight.detach())),
+            # a copy in panels only of weights no optimizer can be updating: fused Adam
+            # writes in place without bumping the version counter the plan's key reads
+            packed=None
+            if layer.weight.requires_grad
+            else self._ptr(_panels(layer.weight.detach())),
             bias=None if layer.bias is None else self._ptr(layer.bias),
         )
 
@@ -297,14 +304,18 @@ def _modules(model: nn.Module) -> list[nn.Module]:
 
 
 def _key(modules: list[nn.Module]) -> tuple[int | tuple[int, int], ...]:
-    """Which modules hold which weights, and how often those were written in place: a plan
-    made for other weights (a layer swapped, weights loaded) is made again."""
+    """Which modules hold which weights, how often those were written in place, and
+    whether they are trainable: a plan made for other weights (a layer swapped, weights
+    loaded) is made again. In-place writes that do not count (fused Adam's) reach the
+    plan only through its pointers into the live weights: it copies (packs) float32
+    weights only where `requires_grad` is off, as `inference.cast` leaves them."""
     key: list[int | tuple[int, int]] = []
     for m in modules:
         key.append(id(m))
         for t in (*m._parameters.values(), *m._buffers.values()):
             if t is not None:  # inference tensors have no version counter
                 key.append((t.data_ptr(), 0 if t.is_inference() else t._version))
+                key.append(int(t.requires_grad))  # trainable: no packed copies (`_linear`)
     return tuple(key)
 
 
