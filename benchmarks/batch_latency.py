@@ -91,9 +91,11 @@ def ct2_run(
     if out_len:
         options.update(min_decoding_length=out_len, max_decoding_length=out_len)
     else:
-        options.update(max_input_length=0, max_decoding_length=256)
+        options.update(max_input_length=0)
     lengths = []
     for i in range(0, len(toks), batch):
+        if not out_len:  # aiayn's cap, input + 50 (the longest input's, for a batch)
+            options["max_decoding_length"] = max(len(t) for t in toks[i : i + batch]) + 50
         res = translator.translate_batch(toks[i : i + batch], **options)
         lengths += [len(r.hypotheses[0]) for r in res]
     return lengths
