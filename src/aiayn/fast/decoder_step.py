@@ -36,6 +36,7 @@ test_decoder_step.py compares both with the paper model's search).
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 from typing import Any
 
@@ -107,8 +108,10 @@ class _Decoder(ctypes.Structure):
     ]
 
 
+@functools.cache
 def _functions(lib: ctypes.CDLL) -> tuple[Any, Any]:
-    """The step and its workspace size, with their C signatures (and the encoder's)."""
+    """The step and its workspace size, with their C signatures (and the encoder's): set
+    once per library, not per search."""
     step, work = lib.aiayn_decoder_step, lib.aiayn_decoder_workspace
     d = ctypes.POINTER(_Decoder)
     step.argtypes = [d, _P, _I64, _I64, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _P,

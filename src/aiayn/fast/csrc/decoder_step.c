@@ -247,6 +247,37 @@ NO_CONTRACT static void add_into(float *x, const float *y, int64_t n) {
     for (int64_t i = 0; i < n; i++) x[i] += y[i];
 }
 
+/* A sublayer's input (section 3.1's residual connections): x itself (post-norm, the
+ * paper's) or LayerNorm j of x written to `normed` (pre-norm). */
+static const float *sublayer_in(const aiayn_decoder *m, const aiayn_decoder_layer *ly, int j,
+                                const float *x, int64_t rows, float *normed) {
+    if (!m->pre_norm) return x;
+    layer_norm(x, NULL, rows, m->d_model, ly->norm_w[j], ly->norm_b[j], m->eps, normed);
+    return normed;
+}
+
+/* The residual around a sublayer of output y: x = LayerNorm_j(x + y) (post-norm) or
+ * x = x + y (pre-norm). */
+static void sublayer_out(const aiayn_decoder *m, const aiayn_decoder_layer *ly, int j, float *x,
+                         const float *y, int64_t rows) {
+    if (m->pre_norm)
+        add_into(x, y, rows * m->d_model);
+    else
+        layer_norm(x, y, rows, m->d_model, ly->norm_w[j], ly->norm_b[j], m->eps, x);
+}
+
+/* The position-wise feed-forward sublayer with its residual, LayerNorm j; `inner` holds
+ * rows x d_ff, `y` rows x d_model. */
+static void ffn_sublayer(const aiayn_decoder *m, const aiayn_decoder_layer *ly, int j, float *x,
+                         int64_t rows, float *normed, float *inner, float *y, int8_t *q,
+                         float *row_scale, int32_t *acc) {
+    const int64_t D = m->d_model;
+    const float *in = sublayer_in(m, ly, j, x, rows, normed);
+    linear(&ly->ff1, in, D, rows, inner, m->d_ff, 1, q, row_scale, acc);
+    linear(&ly->ff2, inner, m->d_ff, rows, y, D, 0, q, row_scale, acc);
+    sublayer_out(m, ly, j, x, y, rows);
+}
+
 /* x = the rows' token embeddings * sqrt(d_model) + PE(t), as model.Embeddings. */
 NO_CONTRACT static void embed(const aiayn_decoder *m, const int64_t *tokens, int64_t rows,
                               int64_t t, float *x) {
@@ -311,47 +342,22 @@ void aiayn_decoder_step(const aiayn_decoder *m, const int64_t *tokens, int64_t r
         const aiayn_decoder_layer *ly = m->layer + l;
         float *qkv = table + l * w3;
         /* masked self-attention over the cache */
-        const float *in = x;
-        if (m->pre_norm) {
-            layer_norm(x, NULL, rows, D, ly->norm_w[0], ly->norm_b[0], m->eps, normed);
-            in = normed;
-        }
+        const float *in = sublayer_in(m, ly, 0, x, rows, normed);
         linear(&ly->qkv, in, D, rows, qkv, ld, 0, q, row_scale, acc);
         aiayn_cached_attention_f32(qkv, ld, pos, ld, l * w3 + hk, l * w3 + 2 * hk, path,
                                    path_ld, t + 1, 0, rows, (int)H, (int)m->d_k, (int)m->d_v,
                                    scale, scratch, att, hv);
         linear(&ly->self_o, att, hv, rows, hid, D, 0, q, row_scale, acc);
-        if (m->pre_norm)
-            add_into(x, hid, rows * D);
-        else
-            layer_norm(x, hid, rows, D, ly->norm_w[0], ly->norm_b[0], m->eps, x);
+        sublayer_out(m, ly, 0, x, hid, rows);
         /* encoder-decoder attention */
-        in = x;
-        if (m->pre_norm) {
-            layer_norm(x, NULL, rows, D, ly->norm_w[1], ly->norm_b[1], m->eps, normed);
-            in = normed;
-        }
+        in = sublayer_in(m, ly, 1, x, rows, normed);
         linear(&ly->cross_q, in, D, rows, hid, hk, 0, q, row_scale, acc);
         aiayn_memory_attention_f32(hid, hk, ly->mem_k, ly->mem_v, mask, g * mask_ld, 0,
                                    rows / g, g, s, (int)H, (int)m->d_k, (int)m->d_v, scale,
                                    scratch, att, hv);
         linear(&ly->cross_o, att, hv, rows, hid, D, 0, q, row_scale, acc);
-        if (m->pre_norm)
-            add_into(x, hid, rows * D);
-        else
-            layer_norm(x, hid, rows, D, ly->norm_w[1], ly->norm_b[1], m->eps, x);
-        /* FFN */
-        in = x;
-        if (m->pre_norm) {
-            layer_norm(x, NULL, rows, D, ly->norm_w[2], ly->norm_b[2], m->eps, normed);
-            in = normed;
-        }
-        linear(&ly->ff1, in, D, rows, att, m->d_ff, 1, q, row_scale, acc);
-        linear(&ly->ff2, att, m->d_ff, rows, hid, D, 0, q, row_scale, acc);
-        if (m->pre_norm)
-            add_into(x, hid, rows * D);
-        else
-            layer_norm(x, hid, rows, D, ly->norm_w[2], ly->norm_b[2], m->eps, x);
+        sublayer_out(m, ly, 1, x, hid, rows);
+        ffn_sublayer(m, ly, 2, x, rows, normed, att, hid, q, row_scale, acc);
     }
     if (m->final_w) layer_norm(x, NULL, rows, D, m->final_w, m->final_b, m->eps, x);
 
@@ -444,31 +450,14 @@ void aiayn_encode(const aiayn_decoder *m, const int64_t *tokens, int64_t A, int6
     const float scale = 1.0f / sqrtf((float)dk);
     for (int64_t l = 0; l < m->layers; l++) {
         const aiayn_decoder_layer *ly = m->layer + l;
-        const float *in = x;
-        if (m->pre_norm) {
-            layer_norm(x, NULL, rows, D, ly->norm_w[0], ly->norm_b[0], m->eps, normed);
-            in = normed;
-        }
+        const float *in = sublayer_in(m, ly, 0, x, rows, normed);
         linear(&ly->qkv, in, D, rows, qkv, w3, 0, q, row_scale, acc);
         by_head(qkv, w3, hk, 2 * hk, A, S, H, dk, dv, k, v);
         aiayn_memory_attention_f32(qkv, w3, k, v, mask, S, 0, A, S, S, (int)H, (int)dk,
                                    (int)dv, scale, scratch, att, hv);
         linear(&ly->self_o, att, hv, rows, hid, D, 0, q, row_scale, acc);
-        if (m->pre_norm)
-            add_into(x, hid, rows * D);
-        else
-            layer_norm(x, hid, rows, D, ly->norm_w[0], ly->norm_b[0], m->eps, x);
-        in = x;
-        if (m->pre_norm) {
-            layer_norm(x, NULL, rows, D, ly->norm_w[1], ly->norm_b[1], m->eps, normed);
-            in = normed;
-        }
-        linear(&ly->ff1, in, D, rows, att, m->d_ff, 1, q, row_scale, acc);
-        linear(&ly->ff2, att, m->d_ff, rows, hid, D, 0, q, row_scale, acc);
-        if (m->pre_norm)
-            add_into(x, hid, rows * D);
-        else
-            layer_norm(x, hid, rows, D, ly->norm_w[1], ly->norm_b[1], m->eps, x);
+        sublayer_out(m, ly, 0, x, hid, rows);
+        ffn_sublayer(m, ly, 1, x, rows, normed, att, hid, q, row_scale, acc);
     }
     if (m->final_w) layer_norm(x, NULL, rows, D, m->final_w, m->final_b, m->eps, x);
 }
