@@ -12,7 +12,9 @@ sources of 12-16 tokens, every output forced to --out-len tokens, as `benchmarks
 does. A checkpoint: its own weights on the first sentences of --input (encoded by its
 tokenizer), outputs as long as each engine's search makes them (the mean length is printed
 beside the rate). --per-layer adds aiayn with the decoder step as PyTorch operators
-(`AIAYN_NATIVE_STEP=0`, the path before the one-call step). CTranslate2 runs aiayn's
+(`AIAYN_NATIVE_STEP=0`, the path before the one-call step); --python-search adds aiayn
+with the one-call step under search.py's loop (the compiled search, csrc/beam_search.c,
+switched off). CTranslate2 runs aiayn's
 model converted (`aiayn.deploy.export`) in each compute type given, `intra_threads=1`;
 aiayn runs `beam_search`/`greedy_search` on the fast model
 (`aiayn.fast.machine.cast_for_inference`) with `torch.set_num_threads(1)`.
@@ -124,10 +126,17 @@ def main() -> int:
         help="also aiayn with the step as PyTorch operators (AIAYN_NATIVE_STEP=0): the "
         "path before the one-call step",
     )
+    p.add_argument(
+        "--python-search",
+        action="store_true",
+        help="also aiayn with the one-call step and the search's loop in Python (the "
+        "compiled search off)",
+    )
     p.add_argument("--json", help="also write every record here")
     args = p.parse_args()
     import ctranslate2
 
+    from aiayn import speed
     from aiayn.decoding.search import NEVER_GENERATED
     from aiayn.deploy.export import to_ctranslate2, vocabulary
     from aiayn.fast.machine import cast_for_inference
@@ -151,6 +160,8 @@ def main() -> int:
             systems[f"aiayn {dtype}"] = ("aiayn", fast)
             if args.per_layer:
                 systems[f"aiayn {dtype} per-layer"] = ("per-layer", fast)
+            if args.python_search:
+                systems[f"aiayn {dtype} python-search"] = ("python-search", fast)
         for ct in [x for x in args.ct2.split(",") if x]:
             systems[f"CT2 {ct}"] = (
                 "ct2",
@@ -160,9 +171,16 @@ def main() -> int:
         setups[name] = (ids, toks, out_len, systems)
 
     def run(kind: str, engine: Any, ids: list, toks: list, batch: int, beam: int, out_len: int):
-        if kind in ("aiayn", "per-layer"):
+        if kind in ("aiayn", "per-layer", "python-search"):
             os.environ["AIAYN_NATIVE_STEP"] = "0" if kind == "per-layer" else ""
-            return aiayn_run(engine, ids, batch, beam, out_len)
+            if kind != "python-search":
+                return aiayn_run(engine, ids, batch, beam, out_len)
+            whole = speed.IMPLEMENTATIONS.pop("whole_search", None)
+            try:
+                return aiayn_run(engine, ids, batch, beam, out_len)
+            finally:
+                if whole is not None:
+                    speed.IMPLEMENTATIONS["whole_search"] = whole
         return ct2_run(engine, toks, batch, beam, out_len)
 
     sizes: dict[tuple[str, int, int], int] = {}

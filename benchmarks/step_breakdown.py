@@ -11,8 +11,11 @@ search, interleaved over --rounds:
   PyTorch profiler: the operators' own time (self CPU time summed over every operator)
   against the step's wall time; the difference is the interpreter and the framework between
   them (Python, dispatch, allocation).
-- `one call`: the whole step in one C call (`aiayn.fast.decoder_step`, `AIAYN_NATIVE_STEP=1`):
-  the time inside that call (perf_counter around it) against the step's wall time.
+- `one call`: the whole step in one C call (`aiayn.fast.decoder_step`, `AIAYN_NATIVE_STEP=1`),
+  the search's loop in Python (the compiled search switched off): the time inside that call
+  (perf_counter around it) against the step's wall time.
+- `compiled search`: the whole search in one C call (csrc/beam_search.c): its wall time per
+  step, encoder and Python before and after included.
 
 Both report ms per decoder step (a step = one call of the search's step for every row),
 and the search's sentences/s. The encoder runs the PyTorch path in both.
@@ -79,6 +82,27 @@ def per_layer(model: Any, src: torch.Tensor, args: argparse.Namespace) -> dict[s
 
 
 def one_call(model: Any, src: torch.Tensor, args: argparse.Namespace) -> dict[str, float]:
+    from aiayn import speed
+
+    whole = speed.IMPLEMENTATIONS.pop("whole_search", None)  # the search's loop in Python
+    try:
+        return _one_call(model, src, args)
+    finally:
+        if whole is not None:
+            speed.IMPLEMENTATIONS["whole_search"] = whole
+
+
+def compiled_search(model: Any, src: torch.Tensor, args: argparse.Namespace) -> dict[str, float]:
+    os.environ["AIAYN_NATIVE_STEP"] = "1"
+    with torch.inference_mode():
+        search(model, src, args)  # warm
+        t0 = time.perf_counter()
+        search(model, src, args)
+        wall = time.perf_counter() - t0
+    return {"sentences_per_s": src.size(0) / wall, "ms_per_step": 1e3 * wall / _steps(src, args)}
+
+
+def _one_call(model: Any, src: torch.Tensor, args: argparse.Namespace) -> dict[str, float]:
     from aiayn.fast import decoder_step
 
     os.environ["AIAYN_NATIVE_STEP"] = "1"
@@ -111,6 +135,9 @@ def one_call(model: Any, src: torch.Tensor, args: argparse.Namespace) -> dict[st
     }
 
 
+PATHS = (("per-layer", per_layer), ("one call", one_call), ("compiled search", compiled_search))
+
+
 def _steps(src: torch.Tensor, args: argparse.Namespace) -> int:
     batches = -(-src.size(0) // args.batch)
     return batches * args.out_len
@@ -132,14 +159,14 @@ def main() -> int:
     model, src = build(args)
     rows = []
     for r in range(args.rounds):
-        for name, fn in (("per-layer", per_layer), ("one call", one_call)):
+        for name, fn in PATHS:
             rec = {"round": r, "path": name, **fn(model, src, args)}
             rows.append(rec)
             print(
                 json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in rec.items()}),
                 flush=True,
             )
-    for name in ("per-layer", "one call"):
+    for name, _ in PATHS:
         best = max((x for x in rows if x["path"] == name), key=lambda x: x["sentences_per_s"])
         print(
             f"{name}: best {best['sentences_per_s']:.1f} sentences/s, "

@@ -51,6 +51,23 @@ class StepTopK(Protocol):
     ) -> tuple[Tensor, Tensor] | None: ...
 
 
+class WholeSearch(Protocol):
+    """The whole of `search.beam_search` (beam 1: `greedy_search`) over incremental states
+    that run it in compiled code, from the first step: each sentence's `beam` best
+    `Hypothesis`es, best first; None where those states do not (nothing was computed: the
+    caller searches step by step)."""
+
+    def __call__(
+        self,
+        states: Any,
+        src_mask: Tensor,
+        caps: list[int],
+        beam: int,
+        alpha: float,
+        min_len: int,
+    ) -> list[list[Any]] | None: ...
+
+
 class TrainingFlops(Protocol):
     """Forward + backward FLOPs of one training batch (B, S, T), the real tokens given."""
 
@@ -107,6 +124,8 @@ class Implementations(TypedDict, total=False):
     lse_topk: Callable[[Tensor, int, tuple[int, ...]], tuple[Tensor, Tensor] | None]
     #: a beam step through an output layer that computes the top k itself
     step_topk: StepTopK
+    #: the whole search in one call where the states can run it (`NativeStates.search`)
+    whole_search: WholeSearch
     #: BPE-dropout's merges in compiled code (`native.bpe_dropout`)
     bpe_dropout: BPEDropoutKernel
     #: what the CPU trains fastest in (`aiayn.fast.machine.best`); absent: float32

@@ -277,3 +277,65 @@ def test_a_step_of_fused_adam_between_searches_is_seen(monkeypatch) -> None:
     tokens = [[h.tokens for h in hs] for hs in got]
     assert tokens == [[h.tokens for h in hs] for hs in want]
     assert tokens != [[h.tokens for h in hs] for hs in before]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "int8"])
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_the_compiled_search_is_the_python_search(dtype: str, norm: str, monkeypatch) -> None:
+    """The whole search in C (csrc/beam_search.c) against search.py's loop over the same
+    compiled step: the same hypotheses, scores and log-probabilities to the bit, over
+    beams of 1-5, with and without a length penalty and a minimum length, caps that cut
+    hypotheses off, n-best lists of the whole beam, and sentences ending at different steps."""
+    from aiayn import speed
+
+    monkeypatch.setenv("AIAYN_NATIVE_STEP", "1")
+    _, fast = models(dtype, norm=norm)
+    src = sources(seed=3, n=7)
+    hook = speed.IMPLEMENTATIONS["whole_search"]
+    calls = []
+
+    def counted(*a):
+        found = hook(*a)
+        calls.append(found is not None)
+        return found
+
+    def run(beam: int, alpha: float, min_len: int, b: int) -> list:
+        with torch.inference_mode():
+            if beam == 1:
+                return greedy_search(fast, src, 1.0, b, min_len=min_len)
+            return beam_search(fast, src, beam, alpha, 1.0, b, nbest=beam, min_len=min_len)
+
+    cases = [(1, 0.0, 0, 8), (2, 0.6, 0, 8), (4, 0.6, 3, 8), (5, 0.0, 0, 3), (4, 1.0, 0, 20)]
+    for beam, alpha, min_len, b in cases:
+        monkeypatch.setitem(speed.IMPLEMENTATIONS, "whole_search", counted)
+        got = run(beam, alpha, min_len, b)
+        monkeypatch.delitem(speed.IMPLEMENTATIONS, "whole_search")
+        want = run(beam, alpha, min_len, b)
+        assert calls.pop() is True  # the C search ran
+        if beam == 1:
+            assert got == want and sum(map(len, want)) > 10
+            continue
+        assert [[(h.tokens, h.score, h.log_prob) for h in x] for x in got] == [
+            [(h.tokens, h.score, h.log_prob) for h in x] for x in want
+        ]
+        assert sum(len(x) for x in want) == beam * len(want)  # whole n-best lists compared
+
+
+def test_the_compiled_search_declines_what_it_cannot_do(monkeypatch) -> None:
+    """Fewer tokens to choose from than the beam, or a state already stepped: None, and
+    the search runs in Python."""
+    monkeypatch.setenv("AIAYN_NATIVE_STEP", "1")
+    _, fast = models("fp32", vocab_size=6)
+    src = sources(n=2).clamp(max=5)
+    with torch.inference_mode():
+        memory, mask = fast.encode(src)
+        states = fast.init_state(memory, 10)
+        assert isinstance(states, NativeStates)
+        # before min_len: 6 tokens - PAD, BOS and EOS = 3 < 4
+        assert states.search(mask, [5, 5], 4, 0.6, 1) is None
+        assert states.search(mask, [5, 5], 4, 0.6, 0) is not None
+        stepped = fast.init_state(memory, 10)
+        fast.decode_step(torch.full((2, 1), 1, dtype=torch.long), mask, stepped)
+        assert stepped.search(mask, [5, 5], 2, 0.6, 0) is None
+        hyps = beam_search(fast, src, 4, 0.6, 1.0, 4, nbest=2, min_len=1)
+    assert [len(h) for h in hyps] == [2, 2]

@@ -29,6 +29,9 @@ Choices, written down once:
   outside it get log P -inf after the model's normaliser is taken over the whole
   vocabulary (the model's distribution is not renormalised, as fairseq's
   prefix_allowed_tokens_fn). The parser's tree constraint is one such mask.
+- With the speed paths, incremental states that can run this whole search in compiled
+  code (`aiayn.speed`'s `whole_search`: the one-call decoder step's) do, without a
+  constraint; they implement the choices above and give the same hypotheses.
 """
 
 from __future__ import annotations
@@ -267,6 +270,10 @@ def greedy_search(
         return out
     memory, src_mask = model.encode(src)
     states = model.init_state(memory, max(caps))
+    whole = speed.IMPLEMENTATIONS.get("whole_search")
+    found = None if whole is None else whole(states, src_mask, caps, 1, 0.0, min_len)
+    if found is not None:  # the same search in compiled code: a beam of 1 is greedy search
+        return [hyps[0].tokens if hyps else [] for hyps in found]
     active = list(range(len(caps)))  # row -> sentence
     last = torch.full((len(caps), 1), BOS_ID, dtype=torch.long, device=src.device)
     for step in range(max(caps)):
@@ -429,6 +436,11 @@ def beam_search(
     # sentence; its k best candidates then become the k hypothesis rows, and what is kept
     # per sentence (the encoder K/V) stays single.
     states = model.init_state(memory, max(caps))
+    whole = speed.IMPLEMENTATIONS.get("whole_search")
+    if whole is not None and constraint is None:  # the same search in compiled code
+        found = whole(states, src_mask, caps, beam, alpha, min_len)
+        if found is not None:
+            return [hyps[:nbest] for hyps in found]
     beams = _init_beams(src_mask)
     cstate = None if constraint is None else constraint.start(caps)
     while beams.sent:

@@ -7,7 +7,8 @@ interpreter, not the arithmetic, set the time (measured: docs/performance.md, "A
 batch 1"). `DecoderPlan` lays the decoder's weights out once (int8 layers packed for
 aiayn's int8 kernel); `NativeStates` is a search's incremental state, and each step is
 one C call: embeddings, every layer, the output layer and the beam's top-k (or the
-logits).
+logits). Unconstrained greedy and beam search then run whole in one more call
+(`NativeStates.search`, csrc/beam_search.c: search.py's loop in C, the same hypotheses).
 
 Where it applies (`plan_for`, asked by `FastTransformer.init_state` where the class's
 decoding step is its own): the fast model (`aiayn.fast.accelerate`) in float32 or
@@ -43,6 +44,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from aiayn.config import BOS_ID, EOS_ID
+from aiayn.decoding.search import NEVER_GENERATED, Hypothesis, excluded
 from aiayn.fast import native
 from aiayn.fast.int8_ops import LSE_TOPK_BLOCK_BYTES, Int8Linear
 
@@ -125,6 +128,10 @@ def _functions(lib: ctypes.CDLL) -> tuple[Any, Any]:
     lib.aiayn_encode.restype = None
     lib.aiayn_memory_kv.argtypes = [d, _P, _I64, _I64, _P, _P, _P]
     lib.aiayn_memory_kv.restype = None
+    search = lib.aiayn_beam_search
+    search.argtypes = [d, _I64, _I64, _P, _P, _INT, ctypes.c_double, _I64, _I64, _I64, _P, _INT,
+                       _P, _INT, _I64, _I64, _P, _P, _P, _P, _P]  # fmt: skip
+    search.restype = _INT
     return step, work
 
 
@@ -502,6 +509,49 @@ class NativeStates:
         """Columns of int8 products per block of the output layer: `Int8Linear.lse_topk`'s."""
         v = self.plan.vocab
         return min(v, max(64, LSE_TOPK_BLOCK_BYTES // (4 * max(rows, 1)) // 64 * 64))
+
+    def search(
+        self, src_mask: Tensor, caps: list[int], beam: int, alpha: float, min_len: int
+    ) -> list[list[Hypothesis]] | None:
+        """The whole beam search of `search.beam_search` (beam 1: its greedy search) in one C
+        call (csrc/beam_search.c): each sentence's `beam` best hypotheses, best first
+        (fewer if fewer finished); None where it does not apply (a state already stepped,
+        fewer than `beam` tokens to choose from, a cap past the position table), and the
+        caller runs the search in Python. Moves the encoder keys and values in place: the
+        state serves this one search."""
+        v, dec = self.plan.vocab, self.decoder
+        short = native._columns(excluded(0, min_len), v)
+        if (
+            self.tables
+            or self.index is not None
+            or v - short.numel() < beam
+            or max(caps) > dec.max_positions
+        ):
+            return None
+        a = len(caps)
+        mask = src_mask.reshape(a, -1).to(torch.bool).contiguous()
+        never = native._columns(NEVER_GENERATED, v)
+        cap = torch.tensor(caps, dtype=torch.int64)
+        width = max(caps)
+        count = torch.zeros(a, dtype=torch.int64)
+        lengths = torch.zeros(a, beam, dtype=torch.int64)
+        tokens = torch.zeros(a, beam, width, dtype=torch.int64)
+        score = torch.zeros(a, beam, dtype=torch.float64)
+        log_prob = torch.zeros(a, beam, dtype=torch.float64)
+        status = self.plan.lib.aiayn_beam_search(
+            self._dec, a, mask.size(1), mask.data_ptr(), cap.data_ptr(), beam, alpha, min_len,
+            BOS_ID, EOS_ID, never.data_ptr(), never.numel(), short.data_ptr(), short.numel(),
+            LSE_TOPK_BLOCK_BYTES, width, count.data_ptr(), lengths.data_ptr(),
+            tokens.data_ptr(), score.data_ptr(), log_prob.data_ptr(),
+        )  # fmt: skip
+        if status != 0:
+            raise MemoryError("the compiled beam search ran out of memory")
+        rows = zip(count.tolist(), lengths.tolist(), tokens.tolist(), score.tolist(),
+                   log_prob.tolist(), strict=True)  # fmt: skip
+        out = []
+        for c, ns, seqs, ss, ls in rows:
+            out.append([Hypothesis(seqs[j][: ns[j]], ss[j], ls[j]) for j in range(c)])
+        return out
 
     def logits(self, tokens: Tensor, src_mask: Tensor) -> Tensor:
         """`decode_step`: the next-token logits (R, V) float32."""

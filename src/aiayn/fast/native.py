@@ -89,8 +89,13 @@ SOURCES = (
     CSRC / "int8_gemm.c",
     CSRC / "bpe_dropout.c",
     CSRC / "decoder_step.c",
+    CSRC / "beam_search.c",
 )
-HEADERS = (CSRC / "simd_math.h", CSRC / "decode_attention_kernels.h")
+HEADERS = (
+    CSRC / "simd_math.h",
+    CSRC / "decode_attention_kernels.h",
+    CSRC / "decoder_step.h",
+)
 FLAGS = (
     "-O3",
     "-fopenmp-simd",

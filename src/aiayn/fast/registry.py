@@ -41,6 +41,15 @@ def step_topk(
     return search.logits_topk(model.generator(hidden), k, exclude)
 
 
+def whole_search(
+    states: Any, src_mask: Tensor, caps: list[int], beam: int, alpha: float, min_len: int
+) -> list[list[search.Hypothesis]] | None:
+    """The compiled step's whole search (`NativeStates.search`); None for other states."""
+    if isinstance(states, decoder_step.NativeStates):
+        return states.search(src_mask, caps, beam, alpha, min_len)
+    return None
+
+
 def register() -> None:
     """Turn the speed paths on: every implementation above, into `aiayn.speed`."""
     # each through its module at call time (see the module docstring); the signatures are
@@ -51,6 +60,7 @@ def register() -> None:
             "smoothed_ce": lambda *a: native.smoothed_ce(*a),
             "lse_topk": lambda *a: native.lse_topk(*a),
             "step_topk": step_topk,
+            "whole_search": whole_search,
             "bpe_dropout": lambda *a: native.bpe_dropout(*a),
             "machine_choice": lambda: machine.best(),
             "describe_machine": lambda: machine.describe(),

@@ -26,6 +26,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "decoder_step.h"
+
 /* Products and sums rounded one at a time, as PyTorch's separate operators round them
  * (no fused multiply-add where the compiler would contract one). */
 #define NO_CONTRACT __attribute__((optimize("fp-contract=off")))
@@ -54,37 +56,6 @@ void aiayn_lse_topk_i32_block(const int32_t *acc, int64_t r0, int64_t r1, int64_
                               const float *col_scale, const float *bias, int k,
                               const int64_t *excl, int n_excl, int last, float *buf, float *m,
                               float *s, float *val, int64_t *idx);
-
-/* A linear layer y = x W^T + b: float32 (w, n x k, row-major; packed, if not NULL, its
- * panels for gemm_f32_packed) or int8 (packed by aiayn_int8_pack, scale one per output
- * column). */
-typedef struct {
-    int64_t n, k;
-    int int8;
-    const float *w;
-    const void *packed;
-    const float *scale;
-    const float *bias; /* or NULL */
-} aiayn_linear;
-
-typedef struct {
-    aiayn_linear qkv, self_o, cross_q, cross_o, ff1, ff2;
-    const float *norm_w[3], *norm_b[3];
-    const float *mem_k, *mem_v; /* (A, h, S, d_k), (A, h, S, d_v): this search's */
-    aiayn_linear cross_kv;      /* the encoder-decoder attention's keys and values */
-} aiayn_decoder_layer;
-
-typedef struct {
-    int64_t layers, d_model, h, d_k, d_v, d_ff, vocab, max_positions;
-    int pre_norm;
-    float eps, emb_scale;
-    const float *emb; /* (vocab, d_model) */
-    const float *pe;  /* (max_positions, d_model) */
-    const float *final_w, *final_b; /* pre-norm's final LayerNorm, else NULL */
-    aiayn_linear out;
-    int64_t out_block; /* int8 output layer: columns of products per block (a multiple of 8) */
-    aiayn_decoder_layer *layer;
-} aiayn_decoder;
 
 /* Floats of workspace `aiayn_decoder_step` needs for `rows` rows at step t (0-based) over
  * sources of s positions with g rows a sentence. */
