@@ -39,6 +39,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import weakref
 from typing import Any
 
 import torch
@@ -301,31 +302,28 @@ class DecoderPlan:
         )
 
 
-def _modules(model: nn.Module) -> list[nn.Module]:
-    """Every module under `model`, itself included: a plain walk over `_modules`, several
-    times faster than `nn.Module.modules()` (which dedupes and names), as this runs once
-    per search."""
-    out, todo = [], [model]
+def _key(model: nn.Module) -> tuple[Any, ...] | None:
+    """Which modules hold which weights, how often those were written in place, and
+    whether they are trainable, so that a plan made for other weights (a layer swapped,
+    weights loaded) is made again; None where a module has forward hooks (someone watching
+    it: the per-layer path). In-place writes that do not count (fused Adam's) reach the
+    plan only through its pointers into the live weights: it copies (packs) float32
+    weights only where `requires_grad` is off, as `inference.cast` leaves them.
+
+    One plain walk over `_modules`, several times faster than `nn.Module.modules()` (which
+    dedupes and names): it runs once per search."""
+    key: list[Any] = []
+    todo = [model]
     while todo:
         m = todo.pop()
-        out.append(m)
-        todo.extend(c for c in m._modules.values() if c is not None)
-    return out
-
-
-def _key(modules: list[nn.Module]) -> tuple[int | tuple[int, int], ...]:
-    """Which modules hold which weights, how often those were written in place, and
-    whether they are trainable: a plan made for other weights (a layer swapped, weights
-    loaded) is made again. In-place writes that do not count (fused Adam's) reach the
-    plan only through its pointers into the live weights: it copies (packs) float32
-    weights only where `requires_grad` is off, as `inference.cast` leaves them."""
-    key: list[int | tuple[int, int]] = []
-    for m in modules:
+        if m._forward_hooks or m._forward_pre_hooks:
+            return None
         key.append(id(m))
         for t in (*m._parameters.values(), *m._buffers.values()):
             if t is not None:  # inference tensors have no version counter
-                key.append((t.data_ptr(), 0 if t.is_inference() else t._version))
-                key.append(int(t.requires_grad))  # trainable: no packed copies (`_linear`)
+                v = 0 if t.is_inference() else t._version
+                key.append((t.data_ptr(), v, t.requires_grad))  # trainable: no packed copies
+        todo.extend(c for c in m._modules.values() if c is not None)
     return tuple(key)
 
 
@@ -344,12 +342,9 @@ def plan_for(model: Any, sentences: int) -> DecoderPlan | None:
         or torch.nn.modules.module._global_forward_pre_hooks
     ):
         return None
-    modules = _modules(model)
-    if any(m._forward_hooks or m._forward_pre_hooks for m in modules) or any(
-        t.device.type != "cpu" for t in model.generator.parameters()
-    ):
+    key = _key(model)
+    if key is None or any(t.device.type != "cpu" for t in model.generator.parameters()):
         return None
-    key = _key(modules)
     cached = getattr(model, "_decoder_plan", None)
     if cached is not None and cached[0] == key:
         plan = cached[1]
@@ -586,7 +581,11 @@ class NativeStates:
 def init_states(model: Any, memory: Tensor, max_len: int) -> NativeStates | None:
     """`NativeStates` for a search of `model` over `memory` (A, S, D), or None where the
     compiled step does not apply (`plan_for`)."""
-    plan = plan_for(model, memory.size(0))
+    encoded = model.__dict__.pop("_encoded", None)
+    if encoded is not None and encoded[0]() is memory:  # this search's encoder output
+        plan = encoded[1]
+    else:
+        plan = plan_for(model, memory.size(0))
     if plan is None or memory.dtype != torch.float32:
         return None
     if _encoder_applies(plan, memory.size(0) * memory.size(1)):
@@ -604,7 +603,10 @@ def encode(model: Any, src: Tensor, mask: Tensor) -> Tensor | None:
     plan = plan_for(model, src.size(0))
     if plan is None or not _encoder_applies(plan, src.numel()):
         return None
-    return plan.encode(src, mask)
+    memory = plan.encode(src, mask)
+    # the search's init_state next takes this plan instead of walking the model again
+    model.__dict__["_encoded"] = (weakref.ref(memory), plan)
+    return memory
 
 
 def _encoder_applies(plan: DecoderPlan, positions: int) -> bool:
