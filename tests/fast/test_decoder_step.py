@@ -305,7 +305,14 @@ def test_the_compiled_search_is_the_python_search(dtype: str, norm: str, monkeyp
                 return greedy_search(fast, src, 1.0, b, min_len=min_len)
             return beam_search(fast, src, beam, alpha, 1.0, b, nbest=beam, min_len=min_len)
 
-    cases = [(1, 0.0, 0, 8), (2, 0.6, 0, 8), (4, 0.6, 3, 8), (5, 0.0, 0, 3), (4, 1.0, 0, 20)]
+    cases = [
+        (1, 0.0, 0, 8),
+        (1, 0.0, 3, 5),
+        (2, 0.6, 0, 8),
+        (4, 0.6, 3, 8),
+        (5, 0.0, 0, 3),
+        (4, 1.0, 0, 20),
+    ]
     for beam, alpha, min_len, b in cases:
         monkeypatch.setitem(speed.IMPLEMENTATIONS, "whole_search", counted)
         got = run(beam, alpha, min_len, b)
