@@ -329,8 +329,8 @@ def test_the_compiled_search_is_the_python_search(dtype: str, norm: str, monkeyp
 
 
 def test_the_compiled_search_declines_what_it_cannot_do(monkeypatch) -> None:
-    """Fewer tokens to choose from than the beam, or a state already stepped: None, and
-    the search runs in Python."""
+    """Fewer tokens to choose from than the beam, a state already stepped or one that
+    already served a search: None, and the search runs in Python."""
     monkeypatch.setenv("AIAYN_NATIVE_STEP", "1")
     _, fast = models("fp32", vocab_size=6)
     src = sources(n=2).clamp(max=5)
@@ -341,6 +341,9 @@ def test_the_compiled_search_declines_what_it_cannot_do(monkeypatch) -> None:
         # before min_len: 6 tokens - PAD, BOS and EOS = 3 < 4
         assert states.search(mask, [5, 5], 4, 0.6, 1) is None
         assert states.search(mask, [5, 5], 4, 0.6, 0) is not None
+        assert states.search(mask, [5, 5], 4, 0.6, 0) is None  # spent: its K/V were moved
+        with pytest.raises(ValueError, match="whole search"):
+            fast.decode_step(torch.full((2, 1), 2, dtype=torch.long), mask, states)
         stepped = fast.init_state(memory, 10)
         fast.decode_step(torch.full((2, 1), 1, dtype=torch.long), mask, stepped)
         assert stepped.search(mask, [5, 5], 2, 0.6, 0) is None

@@ -386,6 +386,7 @@ class NativeStates:
         self._mask: tuple[Tensor, Tensor] | None = None  # (the search's mask, as C reads it)
         self._excluded: dict[tuple[int, ...], Tensor] = {}
         self.work = torch.empty(0, dtype=torch.float32)
+        self.spent = False  # a whole search ran: its encoder keys and values were moved
         self.step_fn, self.work_fn = _functions(native.library())  # type: ignore[arg-type]
 
     def _set_kv(self, kv: list[tuple[Tensor, Tensor]]) -> None:
@@ -437,6 +438,8 @@ class NativeStates:
         visible part of the step."""
         rows, t = tokens.size(0), len(self.tables)
         dec = self.decoder
+        if self.spent:
+            raise ValueError("this state served a whole search: start a new one")
         if t >= dec.max_positions:
             raise ValueError(
                 f"sequence of length {t + 1} exceeds max_positions={dec.max_positions}"
@@ -517,7 +520,8 @@ class NativeStates:
         v, dec = self.plan.vocab, self.decoder
         short = native._columns(excluded(0, min_len), v)
         if (
-            self.tables
+            self.spent
+            or self.tables
             or self.index is not None
             or v - short.numel() < beam
             or max(caps) > dec.max_positions
@@ -539,6 +543,7 @@ class NativeStates:
             LSE_TOPK_BLOCK_BYTES, width, count.data_ptr(), lengths.data_ptr(),
             tokens.data_ptr(), score.data_ptr(), log_prob.data_ptr(),
         )  # fmt: skip
+        self.spent = True
         if status != 0:
             raise MemoryError("the compiled beam search ran out of memory")
         rows = zip(count.tolist(), lengths.tolist(), tokens.tolist(), score.tolist(),
