@@ -59,23 +59,29 @@ def search(model: Any, src: torch.Tensor, args: argparse.Namespace) -> None:
             beam_search(model, chunk, args.beam, 0.6, 0.0, args.out_len, min_len=args.out_len)
 
 
+def wall(model: Any, src: torch.Tensor, args: argparse.Namespace, warm: bool = True) -> float:
+    """Seconds of one search over `src` (after a warm-up search unless `warm` is False)."""
+    with torch.inference_mode():
+        if warm:
+            search(model, src, args)
+        t0 = time.perf_counter()
+        search(model, src, args)
+        return time.perf_counter() - t0
+
+
 def per_layer(model: Any, src: torch.Tensor, args: argparse.Namespace) -> dict[str, float]:
     from torch.profiler import ProfilerActivity, profile
 
     os.environ["AIAYN_NATIVE_STEP"] = "0"
-    with torch.inference_mode():
-        search(model, src, args)  # warm
-        t0 = time.perf_counter()
+    seconds = wall(model, src, args)
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
         search(model, src, args)
-        wall = time.perf_counter() - t0
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            search(model, src, args)
     events = prof.key_averages()
     ops = sum(e.self_cpu_time_total for e in events) / 1e6
     steps = _steps(src, args)
     return {
-        "sentences_per_s": src.size(0) / wall,
-        "ms_per_step": 1e3 * wall / steps,
+        "sentences_per_s": src.size(0) / seconds,
+        "ms_per_step": 1e3 * seconds / steps,
         "ops_ms_per_step_profiled": 1e3 * ops / steps,
         "op_calls_per_step": sum(e.count for e in events) / steps,
     }
@@ -94,12 +100,11 @@ def one_call(model: Any, src: torch.Tensor, args: argparse.Namespace) -> dict[st
 
 def compiled_search(model: Any, src: torch.Tensor, args: argparse.Namespace) -> dict[str, float]:
     os.environ["AIAYN_NATIVE_STEP"] = "1"
-    with torch.inference_mode():
-        search(model, src, args)  # warm
-        t0 = time.perf_counter()
-        search(model, src, args)
-        wall = time.perf_counter() - t0
-    return {"sentences_per_s": src.size(0) / wall, "ms_per_step": 1e3 * wall / _steps(src, args)}
+    seconds = wall(model, src, args)
+    return {
+        "sentences_per_s": src.size(0) / seconds,
+        "ms_per_step": 1e3 * seconds / _steps(src, args),
+    }
 
 
 def _one_call(model: Any, src: torch.Tensor, args: argparse.Namespace) -> dict[str, float]:
@@ -114,22 +119,16 @@ def _one_call(model: Any, src: torch.Tensor, args: argparse.Namespace) -> dict[s
         original(self, *a)
         inside[0] += time.perf_counter() - t
 
-    with torch.inference_mode():
-        search(model, src, args)  # warm
-        t0 = time.perf_counter()
-        search(model, src, args)
-        wall = time.perf_counter() - t0
-        decoder_step.NativeStates._call = timed  # type: ignore[method-assign]
-        try:
-            t0 = time.perf_counter()
-            search(model, src, args)
-            wall_timed = time.perf_counter() - t0
-        finally:
-            decoder_step.NativeStates._call = original  # type: ignore[method-assign]
+    seconds = wall(model, src, args)
+    decoder_step.NativeStates._call = timed  # type: ignore[method-assign]
+    try:
+        wall_timed = wall(model, src, args, warm=False)
+    finally:
+        decoder_step.NativeStates._call = original  # type: ignore[method-assign]
     steps = _steps(src, args)
     return {
-        "sentences_per_s": src.size(0) / wall,
-        "ms_per_step": 1e3 * wall / steps,
+        "sentences_per_s": src.size(0) / seconds,
+        "ms_per_step": 1e3 * seconds / steps,
         "c_ms_per_step": 1e3 * inside[0] / steps,
         "ms_per_step_timed_run": 1e3 * wall_timed / steps,
     }
