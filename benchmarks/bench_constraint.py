@@ -1,12 +1,12 @@
 """What the tree constraint costs a beam-search step (issue 70: at most 10% of decoding).
 
 A constrained search does the unconstrained search's work plus, each step, the
-constraint's `allowed` (an (R, V) mask) and `advance` (the state gathered by the beam's
-rows), and picks its top k from a masked table with PyTorch ops instead of the compiled
+constraint's `allowed` (an (R, V) mask), `reweigh` (with word_mass: each row's mass of
+word pieces) and `advance` (the state gathered by the beam's rows), and picks its top k from a masked table with PyTorch ops instead of the compiled
 `native.lse_topk`. This measures each part on the parser's shapes (Transformer-Tiny:
 N = 4, d_model 128, V 4,000; beam 21; sentences of the given words file), as one search:
 
-- the constrained search's total time, and the share of it inside `allowed` + `advance`
+- the constrained search's total time, and the share of it inside the constraint's calls
   (timed around each call);
 - the top-k of one step's (R, V) logits by the unconstrained path (`best_next_tokens`'
   compiled or PyTorch path) and by the masked path, on the same table;
@@ -54,6 +54,10 @@ class Timed:
         self.steps += 1
         return mask
 
+    def reweigh(self, state, log_p):  # type: ignore[no-untyped-def]
+        # called inside the masked top-k, whose time counts it
+        return self.inner.reweigh(state, log_p)
+
     def advance(self, state, tokens, origin):  # type: ignore[no-untyped-def]
         t0 = time.perf_counter()
         out = self.inner.advance(state, tokens, origin)
@@ -69,6 +73,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", type=Path)
+    ap.add_argument(
+        "--word-mass",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="score words as one action (the parser's default)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -99,9 +109,9 @@ def main() -> None:
     masked_topk = search._masked_topk
     spent = {"masked": 0.0, "plain": 0.0}
 
-    def timed_topk(logits, k, exclude, allowed):  # type: ignore[no-untyped-def]
+    def timed_topk(logits, k, exclude, allowed, reweigh=None):  # type: ignore[no-untyped-def]
         t0 = time.perf_counter()
-        out = masked_topk(logits, k, exclude, allowed)
+        out = masked_topk(logits, k, exclude, allowed, reweigh)
         t1 = time.perf_counter()
         # what the unconstrained search does with the same logits: its top-k path
         if search.native.lse_topk(logits, k, exclude) is None:
@@ -118,7 +128,9 @@ def main() -> None:
     results = []
     for _ in range(args.rounds):
         spent.update(masked=0.0, plain=0.0)
-        timed = Timed(TreeConstraint(pieces, brackets, vocab, limits))
+        timed = Timed(
+            TreeConstraint(pieces, brackets, vocab, limits, word_mass=args.word_mass)
+        )
         t0 = time.perf_counter()
         beam_search(model, src, args.beam, 0.3, 1.0, 300, constraint=timed)
         total = time.perf_counter() - t0

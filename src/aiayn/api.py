@@ -222,6 +222,7 @@ class Parser(_Loaded):
         beam: int | None = None,
         constrained: bool = True,
         tree_form: Literal["words", "gafl"] = "words",
+        word_mass: bool = True,
     ) -> list[str]:
         """A well-formed bracketed tree for each sentence, over exactly its words, as
         `aiayn parse` writes it.
@@ -233,6 +234,8 @@ class Parser(_Loaded):
                 construction; needs a parser's vocabulary); False: decode freely and repair.
             tree_form: the model's target, each word in its place ("words", the recipe's)
                 or XX ("gafl").
+            word_mass: constrained, score each word by the model's probability of writing
+                any word there (the tree's structure), not of the input's word.
         Raises:
             InputError: an empty sentence, named by its number; constrained decoding with a
                 model whose vocabulary has no bracket pieces.
@@ -251,6 +254,7 @@ class Parser(_Loaded):
             self.device,
             constrained=constrained,
             linearization=tree_form,
+            word_mass=word_mass,
         ).trees
 
 

@@ -137,6 +137,59 @@ def test_a_token_outside_the_mask_kills_its_row_without_error():
         assert not constraint.allowed(s).any()
 
 
+def test_word_mass_scores_the_next_piece_by_the_mass_of_every_word_piece():
+    """`reweigh` with word_mass: each row's next input piece (the only word token its mask
+    can allow) scores log sum P over the tokens that are not brackets or specials, computed
+    here by hand; every other column keeps the model's log P. Without word_mass the table
+    is the model's."""
+    sentences = [[[20, 21], [22]], [[30]]]
+    on = TreeConstraint(sentences, BRACKETS, V, TreeLimits(3, 3))
+    off = TreeConstraint(sentences, BRACKETS, V, TreeLimits(3, 3), word_mass=False)
+    state = on.start([10, 10])
+    on.allowed(state)
+    # rows: sentence 0 after "(A 20" (inside its first word: 21 is forced), sentences 1
+    # and 0 after "(A (A" (their first word's first piece may come next)
+    state = on.advance(state, torch.tensor([10, 10]), torch.tensor([0, 1]))
+    on.allowed(state)
+    state = on.advance(state, torch.tensor([20, 10, 10]), torch.tensor([0, 1, 0]))
+    on.allowed(state)
+    log_p = torch.log_softmax(torch.randn(3, V, generator=torch.Generator().manual_seed(0)), 1)
+    got = on.reweigh(state, log_p.clone())
+    words = [t for t in range(V) if t not in (0, 2, EOS_ID, 10, 11, 12, 13)]
+    mass = torch.logsumexp(log_p[:, words], dim=1)
+    for row, piece in enumerate((21, 30, 20)):
+        assert got[row, piece].item() == pytest.approx(mass[row].item(), abs=1e-6)
+        rest = [t for t in range(V) if t != piece]
+        assert torch.equal(got[row, rest], log_p[row, rest])
+    assert torch.equal(off.reweigh(state, log_p.clone()), log_p)
+
+
+def test_the_search_ranks_by_the_constraints_scores():
+    """The hook's `reweigh`: the search keeps what the constraint's scores rank first (here
+    a token the model itself rates as any other), and a hypothesis' score sums them."""
+    model = random_model(60, 5)
+    src = torch.tensor([[30, 31, EOS_ID]])
+
+    class Favour:
+        def start(self, caps):
+            return len(caps)
+
+        def allowed(self, rows):
+            return torch.ones((rows, 60), dtype=torch.bool)
+
+        def reweigh(self, rows, log_p):
+            out = torch.full_like(log_p, -50.0)
+            out[:, 44] = -0.25
+            return out
+
+        def advance(self, rows, tokens, origin):
+            return tokens.numel()
+
+    (best, *_), *_ = beam_search(model, src, 2, 0.0, 0.0, 5, nbest=2, constraint=Favour())
+    assert best.tokens == [44] * 5
+    assert best.log_prob == pytest.approx(-0.25 * 5)
+
+
 def test_tree_limits_are_the_training_trees_deepest_nesting_and_longest_run():
     lines = ["(S (NP (NP a )NP b )NP (VP c )VP )S", "(S (VP (PP (NP d )NP )PP )VP )S"]
     assert tree_limits(lines) == TreeLimits(max_depth=4, max_opens=4)
@@ -167,15 +220,19 @@ def tokenizer() -> Tokenizer:
 
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("beam", [1, 4])
+@pytest.mark.parametrize("word_mass", [True, False])
 def test_random_models_write_only_trees_over_exactly_the_words_when_constrained(
-    tokenizer, seed, beam
+    tokenizer, seed, beam, word_mass
 ):
-    """Untrained models, tight and loose caps, low and high limits: no output needs a
-    repair, and each is a tree over the input's words within the limits."""
+    """Untrained models, tight and loose caps, low and high limits, words scored by their
+    mass or by their pieces: no output needs a repair, and each is a tree over the input's
+    words within the limits."""
     model = random_model(tokenizer.vocab_size, seed)
     for max_len_b, limits in ((1, TreeLimits(2, 1)), (30, TreeLimits(5, 3))):
         cfg = DecodeConfig(beam=beam, alpha=0.3, max_len_a=1.0, max_len_b=max_len_b)
-        result = parse_lines(model, tokenizer, SENTENCES, cfg, limits=limits)
+        result = parse_lines(
+            model, tokenizer, SENTENCES, cfg, limits=limits, word_mass=word_mass
+        )
         assert result.ill_formed == [] and result.repairs.total == 0
         for raw, tree, line in zip(result.raw, result.trees, SENTENCES, strict=True):
             words = sentence_words(line)

@@ -346,6 +346,7 @@ def cmd_parse(args: argparse.Namespace) -> int:
             constrained=args.constrained,
             limits=limits,
             linearization=args.tree_form,
+            word_mass=args.word_mass,
         )
     finally:
         bar.close()

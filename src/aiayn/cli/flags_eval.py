@@ -304,6 +304,14 @@ examples:
         help="the model's target: each word in its place (words, the recipe's) or XX (gafl)",
     )
     p.add_argument(
+        "--word-mass",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="constrained: score each word by the model's probability of writing any word "
+        "there, so that only the tree's structure is scored (default; the recipe's "
+        "recipe.word_mass); --no-word-mass: by the probability of the input's word itself",
+    )
+    p.add_argument(
         "--limits-from",
         metavar="FILE",
         help="constrained: the deepest nesting and longest run of open brackets allowed are "

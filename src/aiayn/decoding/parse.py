@@ -158,6 +158,7 @@ def parse_lines(
     constrained: bool = True,
     limits: TreeLimits | None = None,
     linearization: str = "words",
+    word_mass: bool = True,
 ) -> ParseResult:
     """Parse each line (space-separated words) into a well-formed bracketed tree.
 
@@ -169,6 +170,8 @@ def parse_lines(
         limits: the constraint's depth and open-run bounds (default: `TreeLimits()`;
             the recipe's come from its training trees, `tree_limits`).
         linearization: the model's target: "words" (each word in its place) or "gafl" (XX).
+        word_mass: constrained, a word's pieces score the model's probability of writing
+            any word there, not the input's piece (`TreeConstraint`): the structure decides.
 
     Raises:
         InputError: an empty line, named by FILE:LINE, before any decoding.
@@ -187,7 +190,12 @@ def parse_lines(
 
         def constraint_for(batch: list[int]) -> TreeConstraint:
             return TreeConstraint(
-                [pieces[i] for i in batch], brackets, vocab, limits or TreeLimits(), device
+                [pieces[i] for i in batch],
+                brackets,
+                vocab,
+                limits or TreeLimits(),
+                device,
+                word_mass=word_mass,
             )
 
     nbest, _ = translate_nbest(
@@ -226,12 +234,13 @@ def parse_file(
     constrained: bool = True,
     limits: TreeLimits | None = None,
     linearization: str = "words",
+    word_mass: bool = True,
 ) -> tuple[ParseResult, dict[str, Any]]:
     """Parse a file (or stdin) of sentences into a file (atomically) or stdout, a tree a line.
 
     Args:
         raw_path: also write the model's raw linearized outputs here, a line each.
-        constrained, limits, linearization: as `parse_lines`.
+        constrained, limits, linearization, word_mass: as `parse_lines`.
 
     Returns:
         The result and its summary (sentences, ill-formed raw outputs, repairs by kind,
@@ -259,6 +268,7 @@ def parse_file(
             constrained=constrained,
             limits=limits,
             linearization=linearization,
+            word_mass=word_mass,
         )
         text = "".join(f"{t}\n" for t in result.trees)
         if out is None:

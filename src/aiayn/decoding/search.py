@@ -37,7 +37,9 @@ Choices, written down once:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 
 import torch
@@ -145,6 +147,7 @@ def best_next_tokens(
     k: int,
     exclude: tuple[int, ...] = NEVER_GENERATED,
     allowed: Tensor | None = None,
+    reweigh: Callable[[Tensor], Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Each row's k most probable next tokens and their log-probabilities, in float32 even
     if the model runs in bf16: (R, k) log P, (R, k) token ids, best first. With fewer than
@@ -160,10 +163,12 @@ def best_next_tokens(
     `logits_topk`.
 
     `allowed` (R, V) bool, from a `Constraint`: tokens outside it are not picked either
-    (log P -inf); the normaliser still covers every token.
+    (log P -inf); the normaliser still covers every token. `reweigh`, the constraint's
+    (`Constraint.reweigh`), maps the (R, V) log P table to the scores the search ranks by.
     """
     if allowed is not None:
-        return _masked_topk(model.decode_step(last, src_mask, states), k, exclude, allowed)
+        logits = model.decode_step(last, src_mask, states)
+        return _masked_topk(logits, k, exclude, allowed, reweigh)
     fused = speed.IMPLEMENTATIONS.get("step_topk")
     if fused is not None:
         found = fused(model, last, src_mask, states, k, exclude)
@@ -192,11 +197,19 @@ def logits_topk(logits: Tensor, k: int, exclude: tuple[int, ...]) -> tuple[Tenso
 
 
 def _masked_topk(
-    logits: Tensor, k: int, exclude: tuple[int, ...], allowed: Tensor
+    logits: Tensor,
+    k: int,
+    exclude: tuple[int, ...],
+    allowed: Tensor,
+    reweigh: Callable[[Tensor], Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """`best_next_tokens` under a mask: each row's k best allowed tokens, log P over all."""
+    """`best_next_tokens` under a mask: each row's k best allowed tokens, log P over all
+    (or, with `reweigh`, the constraint's scores of the (R, V) log P table)."""
     logits = logits.float()
     lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    if reweigh is not None:
+        logits = reweigh(logits - lse)
+        lse = torch.zeros_like(lse)
     logits[:, list(exclude)] = float("-inf")
     logits.masked_fill_(~allowed, float("-inf"))
     top, token = row_topk(logits, min(k, logits.size(-1)))
@@ -326,6 +339,7 @@ def _expand(
     k: int,
     min_len: int,
     allowed: Tensor | None = None,
+    reweigh: Callable[[Tensor], Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Score all s*V extensions of each sentence's s slots and keep its k best.
 
@@ -341,7 +355,7 @@ def _expand(
     # A sentence's k best of its s*V extensions are among each slot's own k best tokens.
     exclude = excluded(beams.tokens.size(1), min_len)
     log_p, token = best_next_tokens(
-        model, last, beams.src_mask, states, k, exclude, allowed
+        model, last, beams.src_mask, states, k, exclude, allowed, reweigh
     )  # (A*s, k)
     candidates = (beams.scores.view(-1, 1) + log_p).view(a, s * k)
     scores, flat = candidates.topk(k, dim=1)  # (A, k)
@@ -444,8 +458,12 @@ def beam_search(
     beams = _init_beams(src_mask)
     cstate = None if constraint is None else constraint.start(caps)
     while beams.sent:
-        allowed = None if constraint is None else constraint.allowed(cstate)
-        scores, rows, new = _expand(model, beams, states, beam, min_len, allowed)
+        allowed = reweigh = None
+        if constraint is not None:
+            allowed = constraint.allowed(cstate)
+            if hasattr(constraint, "reweigh"):
+                reweigh = partial(constraint.reweigh, cstate)
+        scores, rows, new = _expand(model, beams, states, beam, min_len, allowed, reweigh)
         a = len(beams.sent)
         tokens = torch.cat([beams.tokens[rows.view(-1)], new.view(-1, 1)], dim=1)
         live = _set_aside(scores, tokens, new, caps, beams.sent, finished, alpha)

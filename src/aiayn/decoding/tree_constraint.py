@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from aiayn.config import EOS_ID
+from aiayn.config import BOS_ID, EOS_ID, PAD_ID
 from aiayn.files import InputError
 
 
@@ -119,6 +119,8 @@ class TreeConstraint:
         brackets: the labels' bracket tokens (`bracket_tokens`).
         vocab_size: V of the model's output.
         limits: depth and open-run bounds (`tree_limits`).
+        word_mass: score a word's pieces by the model's probability of writing any word
+            piece there (`reweigh`); False: by the probability of the input's piece.
     """
 
     def __init__(
@@ -128,8 +130,10 @@ class TreeConstraint:
         vocab_size: int,
         limits: TreeLimits = TreeLimits(),
         device: Any = "cpu",
+        word_mass: bool = True,
     ) -> None:
         limits.validate()
+        self.word_mass = word_mass
         self.limits, self.vocab_size, self.device = limits, vocab_size, device
         flat = [[i for w in ws for i in w] for ws in words]
         if any(not f for f in flat) or any(not w for ws in words for w in ws):
@@ -152,6 +156,23 @@ class TreeConstraint:
         self.open_label[self.open_ids] = torch.arange(len(brackets.labels), device=device)
         self.is_close = torch.zeros(vocab_size, dtype=torch.bool, device=device)
         self.is_close[self.close_ids] = True
+        self.is_word = torch.ones(vocab_size, dtype=torch.bool, device=device)
+        self.is_word[self.open_ids] = False
+        self.is_word[self.close_ids] = False
+        self.is_word[[PAD_ID, BOS_ID, EOS_ID]] = False
+
+    def reweigh(self, s: _State, log_p: Tensor) -> Tensor:
+        """The scores the search ranks the next tokens by: the model's log P (R, V), and
+        with `word_mass` the input's next piece scores log P(any word piece) instead of
+        log P(that piece). Which word comes next is fixed by the input, so only the
+        decision to write a word (against opening or closing a bracket) is scored, as
+        GAFL's XX target scores it; a model unsure of its place in the input then no
+        longer escapes into brackets (measured: docs/results.md#parsing)."""
+        if not self.word_mass:
+            return log_p
+        mass = torch.logsumexp(log_p.masked_fill(~self.is_word, float("-inf")), dim=1)
+        piece = self.pieces[s.sent, s.p].unsqueeze(1)
+        return log_p.scatter(1, piece, mass.unsqueeze(1))
 
     def start(self, caps: Sequence[int]) -> _State:
         b = len(caps)

@@ -80,6 +80,10 @@ class RecipeConfig:
     # round(silver count / (silver_ratio x gold count)) times (at least once); every silver
     # tree is used.
     silver_ratio: float = 1.0
+    # Constrained decoding scores a word by the model's probability of writing any word
+    # there, not the input's word (which the input fixes): the tree's structure is scored,
+    # as with the "gafl" target's XX. False: the input word's own probability.
+    word_mass: bool = True
     # Beam sizes tried on the development set, each with every tune_alpha, the best
     # (bracketing F1) decoding the test set; empty: decode.beam. Section 6.3 chose the beam
     # on the development set.

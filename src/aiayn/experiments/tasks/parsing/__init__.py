@@ -72,7 +72,15 @@ class Parsing:
     datasets: tuple[str, ...] = ("ptb",)
     tuning_key: str = "tuning"
     own_fields: frozenset[str] = frozenset(
-        {"treebank_split", "linearization", "silver", "silver_ratio", "tune_beam", "evalb"}
+        {
+            "treebank_split",
+            "linearization",
+            "word_mass",
+            "silver",
+            "silver_ratio",
+            "tune_beam",
+            "evalb",
+        }
     )
     distributed: bool = False
     score_options: frozenset[str] = frozenset({"params", "report"})
@@ -158,6 +166,7 @@ class Parsing:
             device=ctx.device,
             limits=_limits(data),
             linearization=recipe.linearization,
+            word_mass=recipe.word_mass,
         )
         ctx.wall["tune_s"] = time.perf_counter() - t0
         return tuned
@@ -187,6 +196,7 @@ class Parsing:
                 constrained=mode == "constrained",
                 limits=limits,
                 linearization=ctx.recipe.linearization,
+                word_mass=ctx.recipe.word_mass,
             )
             ctx.wall[f"parse_{mode}_s"] = time.perf_counter() - t0
         free = results["unconstrained"]

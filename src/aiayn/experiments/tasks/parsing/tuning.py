@@ -30,11 +30,13 @@ def tune_parse(
     device: str = "cpu",
     limits: TreeLimits | None = None,
     linearization: str = "words",
+    word_mass: bool = True,
 ) -> tuple[DecodeConfig, dict[str, Any]]:
     """Parse the development set at each beam x alpha and keep the best bracketing F1
     (aiayn's EVALB, COLLINS.prm); a tie goes to the setting listed first. `dev` is the
     prefix of .words and .trees files; the trees parsed stay in `out`. Decoding is
-    constrained (`decoding.tree_constraint`), within `limits`."""
+    constrained (`decoding.tree_constraint`), within `limits`, words scored as
+    `word_mass` says."""
     from aiayn.decoding.parse import parse_file
     from aiayn.scoring.evalb import COLLINS
     from aiayn.scoring.evalb import score_files as score_trees_files
@@ -58,6 +60,7 @@ def tune_parse(
                 device,
                 limits=limits,
                 linearization=linearization,
+                word_mass=word_mass,
             )
             s = score_trees_files(Path(f"{dev}.trees"), hyp, params).all
             tried.append(
