@@ -230,9 +230,7 @@ def test_random_models_write_only_trees_over_exactly_the_words_when_constrained(
     model = random_model(tokenizer.vocab_size, seed)
     for max_len_b, limits in ((1, TreeLimits(2, 1)), (30, TreeLimits(5, 3))):
         cfg = DecodeConfig(beam=beam, alpha=0.3, max_len_a=1.0, max_len_b=max_len_b)
-        result = parse_lines(
-            model, tokenizer, SENTENCES, cfg, limits=limits, word_mass=word_mass
-        )
+        result = parse_lines(model, tokenizer, SENTENCES, cfg, limits=limits, word_mass=word_mass)
         assert result.ill_formed == [] and result.repairs.total == 0
         for raw, tree, line in zip(result.raw, result.trees, SENTENCES, strict=True):
             words = sentence_words(line)

@@ -26,7 +26,8 @@ step, then `beam` rows per sentence still decoding, in the search's row order):
   may allow nothing after it); it never reaches an output.
 
 - ``reweigh(state, log_probs)`` (optional): the scores the search ranks by, from the
-  (R, V) table of the model's log-probabilities (same shape; the mask applies after it).
+  (R, V) table of the model's log-probabilities (same shape, and it may write into the
+  table; the mask applies after it).
   The tree constraint scores a word's piece by the model's probability of any word piece
   (`TreeConstraint.word_mass`); without the method the scores are the log-probabilities.
 

@@ -156,10 +156,9 @@ class TreeConstraint:
         self.open_label[self.open_ids] = torch.arange(len(brackets.labels), device=device)
         self.is_close = torch.zeros(vocab_size, dtype=torch.bool, device=device)
         self.is_close[self.close_ids] = True
-        self.is_word = torch.ones(vocab_size, dtype=torch.bool, device=device)
-        self.is_word[self.open_ids] = False
-        self.is_word[self.close_ids] = False
-        self.is_word[[PAD_ID, BOS_ID, EOS_ID]] = False
+        # the tokens that are not a word's: brackets and the specials (a few dozen ids)
+        specials = torch.tensor([PAD_ID, BOS_ID, EOS_ID], device=device)
+        self.not_word = torch.cat([self.open_ids, self.close_ids, specials]).unique()
 
     def reweigh(self, s: _State, log_p: Tensor) -> Tensor:
         """The scores the search ranks the next tokens by: the model's log P (R, V), and
@@ -167,12 +166,16 @@ class TreeConstraint:
         log P(that piece). Which word comes next is fixed by the input, so only the
         decision to write a word (against opening or closing a bracket) is scored, as
         GAFL's XX target scores it; a model unsure of its place in the input then no
-        longer escapes into brackets (measured: docs/results.md#parsing)."""
+        longer escapes into brackets (measured: docs/results.md#parsing). Writes into
+        `log_p`."""
         if not self.word_mass:
             return log_p
-        mass = torch.logsumexp(log_p.masked_fill(~self.is_word, float("-inf")), dim=1)
+        # log(1 - P(bracket or special)): a few dozen columns, not the vocabulary; where
+        # the model is sure of a bracket the rounding of 1 - P only moves a hopeless word
+        rest = log_p[:, self.not_word].exp().sum(dim=1)
+        mass = torch.log1p(-rest.clamp(max=1.0 - 2**-23))
         piece = self.pieces[s.sent, s.p].unsqueeze(1)
-        return log_p.scatter(1, piece, mass.unsqueeze(1))
+        return log_p.scatter_(1, piece, mass.unsqueeze(1))
 
     def start(self, caps: Sequence[int]) -> _State:
         b = len(caps)
