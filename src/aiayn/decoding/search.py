@@ -28,7 +28,9 @@ Choices, written down once:
   tokens allowed next, carried with the hypotheses and reordered with the beam. Tokens
   outside it get log P -inf after the model's normaliser is taken over the whole
   vocabulary (the model's distribution is not renormalised, as fairseq's
-  prefix_allowed_tokens_fn). The parser's tree constraint is one such mask.
+  prefix_allowed_tokens_fn). The parser's tree constraint is one such mask. A constraint
+  may also rescore the table before the mask (`reweigh`): the tree constraint scores the
+  input's next word by the model's mass of any word, and a hypothesis' score sums those.
 - With the speed paths, incremental states that can run this whole search in compiled
   code (`aiayn.speed`'s `whole_search`: the one-call decoder step's) do, without a
   constraint; they implement the choices above and give the same hypotheses.
