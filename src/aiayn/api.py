@@ -222,7 +222,7 @@ class Parser(_Loaded):
         beam: int | None = None,
         constrained: bool = True,
         tree_form: Literal["words", "gafl"] = "words",
-        word_mass: bool = True,
+        word_mass: bool = False,
     ) -> list[str]:
         """A well-formed bracketed tree for each sentence, over exactly its words, as
         `aiayn parse` writes it.

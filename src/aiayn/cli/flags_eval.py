@@ -305,11 +305,10 @@ examples:
     )
     p.add_argument(
         "--word-mass",
-        action=argparse.BooleanOptionalAction,
-        default=True,
+        action="store_true",
         help="constrained: score each word by the model's probability of writing any word "
-        "there, so that only the tree's structure is scored (default; the recipe's "
-        "recipe.word_mass); --no-word-mass: by the probability of the input's word itself",
+        "there, so that only the tree's structure is scored (helps a model that loses its "
+        "place in the input; recipe.word_mass); default: the input word's own probability",
     )
     p.add_argument(
         "--limits-from",

@@ -25,11 +25,11 @@ step, then `beam` rows per sentence still decoding, in the search's row order):
   that just finished its hypothesis): the constraint must accept it without error (and
   may allow nothing after it); it never reaches an output.
 
-- ``reweigh(state, log_probs)`` (optional): the scores the search ranks by, from the
-  (R, V) table of the model's log-probabilities (same shape, and it may write into the
-  table; the mask applies after it).
-  The tree constraint scores a word's piece by the model's probability of any word piece
-  (`TreeConstraint.word_mass`); without the method the scores are the log-probabilities.
+- ``reweigh(state, log_probs)`` (optional; absent or None: the scores are the
+  log-probabilities): the scores the search ranks by, from the (R, V) table of the
+  model's log-probabilities (same shape, and it may write into the table; the mask
+  applies after it). The tree constraint, with `word_mass`, scores a word's piece by the
+  model's probability of any word piece.
 
 Costs: one (R, V) bool mask a step; `benchmarks/bench_constraint.py` measures the tree
 constraint against unconstrained decoding.

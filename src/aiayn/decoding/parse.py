@@ -158,7 +158,7 @@ def parse_lines(
     constrained: bool = True,
     limits: TreeLimits | None = None,
     linearization: str = "words",
-    word_mass: bool = True,
+    word_mass: bool = False,
 ) -> ParseResult:
     """Parse each line (space-separated words) into a well-formed bracketed tree.
 
@@ -234,7 +234,7 @@ def parse_file(
     constrained: bool = True,
     limits: TreeLimits | None = None,
     linearization: str = "words",
-    word_mass: bool = True,
+    word_mass: bool = False,
 ) -> tuple[ParseResult, dict[str, Any]]:
     """Parse a file (or stdin) of sentences into a file (atomically) or stdout, a tree a line.
 

@@ -29,8 +29,9 @@ Choices, written down once:
   outside it get log P -inf after the model's normaliser is taken over the whole
   vocabulary (the model's distribution is not renormalised, as fairseq's
   prefix_allowed_tokens_fn). The parser's tree constraint is one such mask. A constraint
-  may also rescore the table before the mask (`reweigh`): the tree constraint scores the
-  input's next word by the model's mass of any word, and a hypothesis' score sums those.
+  may also rescore the table before the mask (`reweigh`): the tree constraint with
+  word_mass scores the input's next word by the model's mass of any word, and a
+  hypothesis' score then sums those.
 - With the speed paths, incremental states that can run this whole search in compiled
   code (`aiayn.speed`'s `whole_search`: the one-call decoder step's) do, without a
   constraint; they implement the choices above and give the same hypotheses.
@@ -463,8 +464,9 @@ def beam_search(
         allowed = reweigh = None
         if constraint is not None:
             allowed = constraint.allowed(cstate)
-            if hasattr(constraint, "reweigh"):
-                reweigh = partial(constraint.reweigh, cstate)
+            rescore = getattr(constraint, "reweigh", None)
+            if rescore is not None:
+                reweigh = partial(rescore, cstate)
         scores, rows, new = _expand(model, beams, states, beam, min_len, allowed, reweigh)
         a = len(beams.sent)
         tokens = torch.cat([beams.tokens[rows.view(-1)], new.view(-1, 1)], dim=1)

@@ -23,7 +23,7 @@ the search's row order each step; the mask is built with a few vectorized writes
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -120,7 +120,7 @@ class TreeConstraint:
         vocab_size: V of the model's output.
         limits: depth and open-run bounds (`tree_limits`).
         word_mass: score a word's pieces by the model's probability of writing any word
-            piece there (`reweigh`); False: by the probability of the input's piece.
+            piece there (`word_scores`); False: by the probability of the input's piece.
     """
 
     def __init__(
@@ -130,10 +130,15 @@ class TreeConstraint:
         vocab_size: int,
         limits: TreeLimits = TreeLimits(),
         device: Any = "cpu",
-        word_mass: bool = True,
+        word_mass: bool = False,
     ) -> None:
         limits.validate()
         self.word_mass = word_mass
+        # the search's optional rescoring hook (`aiayn.decoding.constraints`): only with
+        # word_mass, so that the default search is the plain one
+        self.reweigh: Callable[[_State, Tensor], Tensor] | None = (
+            self.word_scores if word_mass else None
+        )
         self.limits, self.vocab_size, self.device = limits, vocab_size, device
         flat = [[i for w in ws for i in w] for ws in words]
         if any(not f for f in flat) or any(not w for ws in words for w in ws):
@@ -160,16 +165,14 @@ class TreeConstraint:
         specials = torch.tensor([PAD_ID, BOS_ID, EOS_ID], device=device)
         self.not_word = torch.cat([self.open_ids, self.close_ids, specials]).unique()
 
-    def reweigh(self, s: _State, log_p: Tensor) -> Tensor:
-        """The scores the search ranks the next tokens by: the model's log P (R, V), and
-        with `word_mass` the input's next piece scores log P(any word piece) instead of
-        log P(that piece). Which word comes next is fixed by the input, so only the
-        decision to write a word (against opening or closing a bracket) is scored, as
-        GAFL's XX target scores it; a model unsure of its place in the input then no
-        longer escapes into brackets (measured: docs/results.md#parsing). Writes into
-        `log_p`."""
-        if not self.word_mass:
-            return log_p
+    def word_scores(self, s: _State, log_p: Tensor) -> Tensor:
+        """The scores the search ranks the next tokens by (`word_mass`: the constraint's
+        `reweigh`): the model's log P (R, V), except that the input's next piece scores
+        log P(any word piece) instead of log P(that piece). Which word comes next is fixed
+        by the input, so only the decision to write a word (against opening or closing a
+        bracket) is scored, as GAFL's XX target scores it; a model unsure of its place in
+        the input then no longer escapes into brackets, but one that reads well loses
+        recall (measured: docs/results.md#parsing). Writes into `log_p`."""
         # log(1 - P(bracket or special)): a few dozen columns, not the vocabulary; where
         # the model is sure of a bracket the rounding of 1 - P only moves a hopeless word
         rest = log_p[:, self.not_word].exp().sum(dim=1)

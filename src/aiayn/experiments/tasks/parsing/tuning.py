@@ -30,7 +30,7 @@ def tune_parse(
     device: str = "cpu",
     limits: TreeLimits | None = None,
     linearization: str = "words",
-    word_mass: bool = True,
+    word_mass: bool = False,
 ) -> tuple[DecodeConfig, dict[str, Any]]:
     """Parse the development set at each beam x alpha and keep the best bracketing F1
     (aiayn's EVALB, COLLINS.prm); a tie goes to the setting listed first. `dev` is the
