@@ -429,3 +429,33 @@ def test_prefetched_batches_train_the_same_run_and_resume_alike(small_data: Path
         for d in ("plain", "ahead", "resumed")
     ]
     assert all(torch.equal(weights[0][k], w[k]) for w in weights[1:] for k in weights[0])
+
+
+def test_a_run_resumed_after_its_budget_trains_no_further(small_data: Path, tmp_path: Path):
+    """A finished run stopped by max_minutes, started again (a recipe rerun to rescore it):
+    no step is taken and no checkpoint written; with more minutes it trains on."""
+    cfg = apply_overrides(
+        get_preset("tiny"),
+        {
+            "N": 1,
+            "d_model": 32,
+            "d_ff": 64,
+            "h": 2,
+            "d_k": 16,
+            "d_v": 16,
+            "train.max_tokens": 300,
+            "max_steps": 1_000_000,
+            "max_minutes": 0.002,
+            "save_interval_steps": 0,
+            "valid_interval_steps": 1_000_000,
+        },
+    )
+    run = tmp_path / "run"
+    first = train(cfg, small_data, run)
+    assert first.stopped_by == "max_minutes"
+    files = sorted((p.name, p.stat().st_mtime_ns) for p in run.glob("checkpoint_*.pt"))
+    again = train(cfg, small_data, run)
+    assert again.stopped_by == "max_minutes" and again.state.step == first.state.step
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in run.glob("checkpoint_*.pt")) == files
+    more = train(apply_overrides(cfg, {"max_minutes": 0.004}), small_data, run)
+    assert more.state.step > first.state.step

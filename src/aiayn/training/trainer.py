@@ -205,6 +205,17 @@ class Trainer:
             )
             result.stopped_by = "already_done"
             return result
+        if t.max_minutes > 0 and self.state.train_seconds >= 60 * t.max_minutes:
+            # checked after each step in the loop: a resumed run would train one more
+            log.warning(
+                "already trained %.1f minutes >= max_minutes %g at step %d: nothing to do "
+                "(raise train.max_minutes to train on)",
+                self.state.train_seconds / 60,
+                t.max_minutes,
+                self.state.step,
+            )
+            result.stopped_by = "max_minutes"
+            return result
         if self.resumed_from is not None:  # readers keep the later pass of redone steps
             self.train_log.write(
                 {"step": self.state.step, "event": "resumed", "checkpoint": str(self.resumed_from)}
