@@ -459,3 +459,39 @@ def test_a_run_resumed_after_its_budget_trains_no_further(small_data: Path, tmp_
     assert sorted((p.name, p.stat().st_mtime_ns) for p in run.glob("checkpoint_*.pt")) == files
     more = train(apply_overrides(cfg, {"max_minutes": 0.004}), small_data, run)
     assert more.state.step > first.state.step
+
+
+def test_a_run_resumed_after_its_patience_ran_out_trains_no_further(
+    small_data: Path, tmp_path: Path
+):
+    """The same for patience: a run whose last checkpoint counts `patience` validations
+    without improvement takes no step when started again; with more patience it goes on."""
+    from aiayn.checkpoints.io import load_checkpoint, save_checkpoint_file
+
+    cfg = apply_overrides(
+        get_preset("tiny"),
+        {
+            "N": 1,
+            "d_model": 32,
+            "d_ff": 64,
+            "h": 2,
+            "d_k": 16,
+            "d_v": 16,
+            "train.max_tokens": 300,
+            "max_steps": 3,
+            "save_interval_steps": 3,
+            "valid_interval_steps": 3,
+        },
+    )
+    run = tmp_path / "run"
+    train(cfg, small_data, run)
+    last = run / "checkpoint_3.pt"
+    ckpt = load_checkpoint(last)
+    ckpt["train_state"]["valid_without_improvement"] = 2  # as a run patience stopped
+    save_checkpoint_file(last, ckpt)
+    (run / "checkpoint_last.pt").unlink()  # the link to the old file
+    again = train(apply_overrides(cfg, {"max_steps": 6, "patience": 2}), small_data, run)
+    assert again.stopped_by == "patience" and again.state.step == 3
+    assert not (run / "checkpoint_6.pt").exists()
+    more = train(apply_overrides(cfg, {"max_steps": 6, "patience": 5}), small_data, run)
+    assert more.state.step == 6

@@ -205,8 +205,9 @@ class Trainer:
             )
             result.stopped_by = "already_done"
             return result
+        # A run the budget or the patience stopped stays stopped when started again (a
+        # recipe rerun to rescore it): both are checked only after a step in the loop.
         if t.max_minutes > 0 and self.state.train_seconds >= 60 * t.max_minutes:
-            # checked after each step in the loop: a resumed run would train one more
             log.warning(
                 "already trained %.1f minutes >= max_minutes %g at step %d: nothing to do "
                 "(raise train.max_minutes to train on)",
@@ -215,6 +216,16 @@ class Trainer:
                 self.state.step,
             )
             result.stopped_by = "max_minutes"
+            return result
+        if t.patience and self.state.valid_without_improvement >= t.patience:
+            log.warning(
+                "already %d validations without improvement >= patience %d at step %d: "
+                "nothing to do (raise train.patience to train on)",
+                self.state.valid_without_improvement,
+                t.patience,
+                self.state.step,
+            )
+            result.stopped_by = "patience"
             return result
         if self.resumed_from is not None:  # readers keep the later pass of redone steps
             self.train_log.write(
