@@ -171,6 +171,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     if result.stopped_by == "already_done":
         print(f"already at step {result.state.step} >= max_steps {cfg.train.max_steps}")
         return 0
+    if result.last_checkpoint is None and result.stopped_by in ("max_minutes", "patience"):
+        print(f"already stopped ({result.stopped_by}) at step {result.state.step}: nothing to do")
+        return 0
     if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for the job
         print(
             f"stopped ({result.stopped_by}) at step {result.state.step}; last checkpoint: "
