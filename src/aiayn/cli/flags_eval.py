@@ -306,9 +306,8 @@ examples:
     p.add_argument(
         "--word-mass",
         action="store_true",
-        help="constrained: score each word by the model's probability of writing any word "
-        "there, so that only the tree's structure is scored (helps a model that loses its "
-        "place in the input; recipe.word_mass); default: the input word's own probability",
+        help="constrained: score each word by the probability of any word there, only the tree's "
+        "structure (recipe.word_mass); default: by the input word's own probability",
     )
     p.add_argument(
         "--limits-from",
@@ -316,18 +315,12 @@ examples:
         help="constrained: the deepest nesting and longest run of open brackets allowed are "
         "those of these linearized training trees (e.g. RUN/data/ptb/train.linw); default: 64",
     )
-    p.add_argument(
-        "--max-depth",
-        type=int,
-        metavar="N",
-        help="constrained: deepest nesting (default: --limits-from's, else 64)",
-    )
-    p.add_argument(
-        "--max-opens",
-        type=int,
-        metavar="N",
-        help="constrained: most open brackets in a row (default: --limits-from's, else 64)",
-    )
+    for flag, what in (
+        ("--max-depth", "deepest nesting"),
+        ("--max-opens", "most open brackets in a row"),
+    ):
+        help_ = f"constrained: {what} (default: --limits-from's, else 64)"
+        p.add_argument(flag, type=int, metavar="N", help=help_)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 

@@ -29,9 +29,7 @@ Choices, written down once:
   outside it get log P -inf after the model's normaliser is taken over the whole
   vocabulary (the model's distribution is not renormalised, as fairseq's
   prefix_allowed_tokens_fn). The parser's tree constraint is one such mask. A constraint
-  may also rescore the table before the mask (`reweigh`): the tree constraint with
-  word_mass scores the input's next word by the model's mass of any word, and a
-  hypothesis' score then sums those.
+  may rescore the table before the mask (`reweigh`; the tree constraint's `word_mass`).
 - With the speed paths, incremental states that can run this whole search in compiled
   code (`aiayn.speed`'s `whole_search`: the one-call decoder step's) do, without a
   constraint; they implement the choices above and give the same hypotheses.
@@ -207,7 +205,7 @@ def _masked_topk(
     reweigh: Callable[[Tensor], Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """`best_next_tokens` under a mask: each row's k best allowed tokens, log P over all
-    (or, with `reweigh`, the constraint's scores of the (R, V) log P table)."""
+    (with `reweigh`, the constraint's scores of the (R, V) log P table)."""
     logits = logits.float()
     lse = torch.logsumexp(logits, dim=-1, keepdim=True)
     if reweigh is not None:
@@ -461,12 +459,9 @@ def beam_search(
     beams = _init_beams(src_mask)
     cstate = None if constraint is None else constraint.start(caps)
     while beams.sent:
-        allowed = reweigh = None
-        if constraint is not None:
-            allowed = constraint.allowed(cstate)
-            rescore = getattr(constraint, "reweigh", None)
-            if rescore is not None:
-                reweigh = partial(rescore, cstate)
+        allowed = None if constraint is None else constraint.allowed(cstate)
+        rescore = getattr(constraint, "reweigh", None)  # optional (None: the log P)
+        reweigh = None if rescore is None else partial(rescore, cstate)
         scores, rows, new = _expand(model, beams, states, beam, min_len, allowed, reweigh)
         a = len(beams.sent)
         tokens = torch.cat([beams.tokens[rows.view(-1)], new.view(-1, 1)], dim=1)
