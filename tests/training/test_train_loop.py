@@ -12,6 +12,7 @@ import aiayn.training.guards as guards_module
 from aiayn import speed
 from aiayn.config import apply_overrides, get_preset
 from aiayn.training.trainer import Hooks, train
+from helpers import SMALL_TRAINING, tiny_config
 
 
 def test_logged_loss_is_the_interval_mean(small_data: Path, tmp_path: Path):
@@ -434,21 +435,12 @@ def test_prefetched_batches_train_the_same_run_and_resume_alike(small_data: Path
 def test_a_run_resumed_after_its_budget_trains_no_further(small_data: Path, tmp_path: Path):
     """A finished run stopped by max_minutes, started again (a recipe rerun to rescore it):
     no step is taken and no checkpoint written; with more minutes it trains on."""
-    cfg = apply_overrides(
-        get_preset("tiny"),
-        {
-            "N": 1,
-            "d_model": 32,
-            "d_ff": 64,
-            "h": 2,
-            "d_k": 16,
-            "d_v": 16,
-            "train.max_tokens": 300,
-            "max_steps": 1_000_000,
-            "max_minutes": 0.002,
-            "save_interval_steps": 0,
-            "valid_interval_steps": 1_000_000,
-        },
+    cfg = tiny_config(
+        SMALL_TRAINING,
+        max_steps=1_000_000,
+        max_minutes=0.002,
+        save_interval_steps=0,
+        valid_interval_steps=1_000_000,
     )
     run = tmp_path / "run"
     first = train(cfg, small_data, run)
@@ -468,21 +460,7 @@ def test_a_run_resumed_after_its_patience_ran_out_trains_no_further(
     without improvement takes no step when started again; with more patience it goes on."""
     from aiayn.checkpoints.io import load_checkpoint, save_checkpoint_file
 
-    cfg = apply_overrides(
-        get_preset("tiny"),
-        {
-            "N": 1,
-            "d_model": 32,
-            "d_ff": 64,
-            "h": 2,
-            "d_k": 16,
-            "d_v": 16,
-            "train.max_tokens": 300,
-            "max_steps": 3,
-            "save_interval_steps": 3,
-            "valid_interval_steps": 3,
-        },
-    )
+    cfg = tiny_config(SMALL_TRAINING, max_steps=3, save_interval_steps=3, valid_interval_steps=3)
     run = tmp_path / "run"
     train(cfg, small_data, run)
     last = run / "checkpoint_3.pt"

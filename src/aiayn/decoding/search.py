@@ -208,9 +208,8 @@ def _masked_topk(
     (with `reweigh`, the constraint's scores of the (R, V) log P table)."""
     logits = logits.float()
     lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-    if reweigh is not None:
-        logits = reweigh(logits - lse)
-        lse = torch.zeros_like(lse)
+    if reweigh is not None:  # scores, already normalised
+        logits, lse = reweigh(logits - lse), torch.zeros_like(lse)
     logits[:, list(exclude)] = float("-inf")
     logits.masked_fill_(~allowed, float("-inf"))
     top, token = row_topk(logits, min(k, logits.size(-1)))

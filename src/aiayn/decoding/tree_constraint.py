@@ -133,7 +133,6 @@ class TreeConstraint:
         word_mass: bool = False,
     ) -> None:
         limits.validate()
-        self.word_mass = word_mass
         # the search's optional rescoring hook (`aiayn.decoding.constraints`): only with
         # word_mass, so that the default search is the plain one
         self.reweigh: Callable[[_State, Tensor], Tensor] | None = (
