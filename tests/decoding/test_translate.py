@@ -481,6 +481,33 @@ def test_int8_linear_is_the_product_of_the_quantized_operands(bias: bool, monkey
         assert (fused == 0).any() and (fused > 0).any(), name
 
 
+def test_int8_ffn_second_layer_reads_its_relu_input_without_signs() -> None:
+    """`quantize_linears` marks exactly the FFNs' second layers (`nonneg_input`: their
+    input is max(0, .), Eq. 2), whose products then take aiayn's kernel without sign moves;
+    the FFN's output is bit for bit the one with the signed kernel, in every layer."""
+    from aiayn.fast.inference import quantize_linears
+    from aiayn.model import PositionwiseFeedForward
+
+    torch.manual_seed(3)
+    model = quantize_linears(
+        Transformer(
+            ModelConfig(N=2, d_model=64, d_ff=200, h=4, d_k=16, d_v=16, vocab_size=50)
+        ).eval()
+    )
+    marked = {n for n, m in model.named_modules() if getattr(m, "nonneg_input", False)}
+    ffns = {n for n, m in model.named_modules() if isinstance(m, PositionwiseFeedForward)}
+    assert marked == {f"{n}.w_2" for n in ffns} and len(marked) == 4
+    x = torch.randn(3, 7, 64) * 2
+    for name in ffns:
+        ffn = model.get_submodule(name)
+        with torch.no_grad():
+            fast = ffn(x)
+            ffn.w_2.nonneg_input = False
+            signed = ffn(x)
+            ffn.w_2.nonneg_input = True
+        assert torch.equal(fast, signed), name
+
+
 def test_tune_alpha_keeps_the_alpha_whose_translations_match_the_references(
     model: EosRamp, tmp_path
 ) -> None:

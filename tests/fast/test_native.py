@@ -776,6 +776,14 @@ def test_int8_gemm_is_exact_over_the_whole_range(m: int, n: int, k: int) -> None
             if n > 8:
                 part = native.int8_gemm(a, packed, n, 8, n - 1)
                 assert torch.equal(part.long(), want[:, 8 : n - 1])
+            # a ReLU's quantized output, [0, 127]: the kernel without sign moves
+            relu = a.clamp(min=0)
+            relu[0, : min(k, 4)] = 127
+            got = native.int8_gemm(relu, packed, n, nonneg=True)
+            assert torch.equal(got.long(), relu.long() @ b.long().t()), t
+            if n > 8:
+                part = native.int8_gemm(relu, packed, n, 8, n - 1, nonneg=True)
+                assert torch.equal(part.long(), (relu.long() @ b.long().t())[:, 8 : n - 1])
     finally:
         torch.set_num_threads(threads)
 

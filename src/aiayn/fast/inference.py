@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from aiayn.fast.cpu_ops import onednn_bf16
 from aiayn.fast.int8_ops import LSE_TOPK_BLOCK_BYTES, Int8Linear
 from aiayn.fast.layers import accelerate
-from aiayn.model import Transformer
+from aiayn.model import PositionwiseFeedForward, Transformer
 
 logger = logging.getLogger(__name__)
 
@@ -73,11 +73,14 @@ class PackedLinear(nn.Module):
 
 def quantize_linears(model: nn.Module) -> nn.Module:
     """Replace every CPU `nn.Linear` of `model` by an `Int8Linear`, in place (a tied
-    embedding keeps its float weight; the output projection gets an int8 copy)."""
+    embedding keeps its float weight; the output projection gets an int8 copy). An FFN's
+    second layer reads max(0, .) (Eq. 2; dropout keeps the sign): marked `nonneg_input`."""
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if type(child) is nn.Linear and child.weight.device.type == "cpu":
-                setattr(module, name, Int8Linear(child))
+                layer = Int8Linear(child)
+                layer.nonneg_input = isinstance(module, PositionwiseFeedForward) and name == "w_2"
+                setattr(module, name, layer)
     return model
 
 

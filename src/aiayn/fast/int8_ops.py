@@ -90,12 +90,18 @@ class Int8Weight:
         self.packed = native.int8_pack(weight.contiguous()) if backend() == "aiayn" else None
 
     def matmul(
-        self, a: Tensor, c0: int = 0, c1: int | None = None, out: Tensor | None = None
+        self,
+        a: Tensor,
+        c0: int = 0,
+        c1: int | None = None,
+        out: Tensor | None = None,
+        nonneg: bool = False,
     ) -> Tensor:
+        """`nonneg`: every element of `a` is >= 0 (aiayn's kernel then moves no signs)."""
         n = self.weight.size(0)
         c1 = n if c1 is None else c1
         if self.packed is not None:
-            return native.int8_gemm(a, self.packed, n, c0, c1, out)
+            return native.int8_gemm(a, self.packed, n, c0, c1, out, nonneg=nonneg)
         w = self.weight if (c0, c1) == (0, n) else self.weight[c0:c1]
         return int8_matmul(a, w, out=out)
 
@@ -135,6 +141,9 @@ class Int8Linear(nn.Module):
         bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
         self.register_buffer("bias", bias)
         self._weight = Int8Weight(self.weight_int8)
+        # Its input is a ReLU's output (the FFN's second layer: `quantize_linears` says so):
+        # quantized into [0, 127], multiplied without moving signs (csrc/int8_gemm.c).
+        self.nonneg_input = False
 
     # The product's copy of the weight (packed for aiayn's kernel) follows the buffer:
     # `.to()` and friends replace it, load_state_dict writes into it.
@@ -167,7 +176,7 @@ class Int8Linear(nn.Module):
         """The rows of x (..., in_features) quantized and multiplied: the (rows, out)
         int32 products and each row's scale."""
         x_int8, x_scale = self._quantized(x)
-        return self._weight.matmul(x_int8), x_scale
+        return self._weight.matmul(x_int8, nonneg=self.nonneg_input), x_scale
 
     def _forward(self, x: Tensor, relu: bool) -> Tensor:
         lead = x.shape[:-1]

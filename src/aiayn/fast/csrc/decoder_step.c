@@ -40,6 +40,9 @@ void aiayn_dequantize_rows(void *acc, int64_t r0, int64_t r1, int64_t n,
                            int relu);
 void aiayn_int8_gemm(const int8_t *a, int64_t lda, int64_t r0, int64_t r1, int64_t k,
                      const int8_t *packed, int64_t c0, int64_t c1, int32_t *c, int64_t ldc);
+void aiayn_int8_gemm_nonneg(const int8_t *a, int64_t lda, int64_t r0, int64_t r1, int64_t k,
+                            const int8_t *packed, int64_t c0, int64_t c1, int32_t *c,
+                            int64_t ldc);
 void aiayn_cached_attention_f32(const float *q, int64_t q_ld, const float *const *pos,
                                 int64_t ld, int64_t k_off, int64_t v_off, const int64_t *path,
                                 int64_t path_ld, int64_t t, int64_t r0, int64_t r1, int h,
@@ -128,13 +131,20 @@ static void gemm_f32_packed(const float *x, int64_t ldx, int64_t rows, int64_t k
     }
 }
 
-/* y (rows x n, row stride ldy) = x (rows x k, stride ldx) W^T + b, (max(0, .) if relu). */
+#define RELU_OUT 1  /* linear's flags: y = max(0, x W^T + b) */
+#define NONNEG_IN 2 /* x >= 0 (a ReLU's output): int8 products without signs to move */
+
+/* y (rows x n, row stride ldy) = x (rows x k, stride ldx) W^T + b (flags above). */
 static void linear(const aiayn_linear *L, const float *x, int64_t ldx, int64_t rows, float *y,
-                   int64_t ldy, int relu, int8_t *q, float *row_scale, int32_t *acc) {
+                   int64_t ldy, int flags, int8_t *q, float *row_scale, int32_t *acc) {
     const int64_t n = L->n, k = L->k;
+    const int relu = flags & RELU_OUT;
     if (L->int8) {
         aiayn_quantize_rows(x, ldx, 0, rows, k, q, row_scale);
-        aiayn_int8_gemm(q, k, 0, rows, k, L->packed, 0, n, acc, n);
+        if (flags & NONNEG_IN)
+            aiayn_int8_gemm_nonneg(q, k, 0, rows, k, L->packed, 0, n, acc, n);
+        else
+            aiayn_int8_gemm(q, k, 0, rows, k, L->packed, 0, n, acc, n);
         aiayn_dequantize_rows(acc, 0, rows, n, row_scale, L->scale, L->bias, relu);
         const float *f = (const float *)acc;
         if (f != y || ldy != n)
@@ -244,8 +254,8 @@ static void ffn_sublayer(const aiayn_decoder *m, const aiayn_decoder_layer *ly, 
                          float *row_scale, int32_t *acc) {
     const int64_t D = m->d_model;
     const float *in = sublayer_in(m, ly, j, x, rows, normed);
-    linear(&ly->ff1, in, D, rows, inner, m->d_ff, 1, q, row_scale, acc);
-    linear(&ly->ff2, inner, m->d_ff, rows, y, D, 0, q, row_scale, acc);
+    linear(&ly->ff1, in, D, rows, inner, m->d_ff, RELU_OUT, q, row_scale, acc);
+    linear(&ly->ff2, inner, m->d_ff, rows, y, D, NONNEG_IN, q, row_scale, acc);
     sublayer_out(m, ly, j, x, y, rows);
 }
 

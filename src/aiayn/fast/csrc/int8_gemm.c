@@ -19,6 +19,11 @@
  * columns) at a time in 8 accumulators; the plain-C path computes the same sums in int32.
  * Every product is exact, so the result does not depend on the path, the blocking or the
  * number of threads.
+ *
+ * Where every element of A is known to be >= 0 (the FFN's second layer reads max(0, .)
+ * quantized: [0, 127]), aiayn_int8_gemm_nonneg skips the signs: a is its own |a|, so
+ * vpmaddubsw(a, b) is the same exact sum. On Zen 3 (AVX2) that is 3 vector operations for
+ * 32 products instead of 4.25 (abs, sign): measured 1.4x the products a second.
  */
 #include <stdint.h>
 #include <string.h>
@@ -84,11 +89,32 @@ static void gemm_plain(const int8_t *a, int64_t lda, int64_t r0, int64_t r1, int
 #define STEP(acc, au, av, b, ones) \
     acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(au, _mm256_sign_epi8(b, av)), ones))
 #endif
+/* A's bytes known >= 0 (nonneg): `av` is already |a| and `au` is not read (see top). */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define STEPU(acc, au, av, b, ones) acc = _mm256_dpbusd_epi32(acc, av, b)
+#elif defined(__AVXVNNI__)
+#define STEPU(acc, au, av, b, ones) acc = _mm256_dpbusd_avx_epi32(acc, av, b)
+#else
+#define STEPU(acc, au, av, b, ones) \
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(av, b), ones))
+#endif
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+/* One row's 4 bytes against a 32-byte group: signed A, or A >= 0 (a constant after
+ * inlining, so each exported function gets its own loop). */
+#define ROW_STEP(nonneg, acc, av, b, ones)                                    \
+    do {                                                                    \
+        if (nonneg) {                                                       \
+            STEPU(acc, av, av, b, ones);                                    \
+        } else {                                                            \
+            const __m256i au_ = _mm256_abs_epi8(av);                        \
+            STEP(acc, au_, av, b, ones);                                    \
+        }                                                                   \
+    } while (0)
 
 /* 4 rows x 16 columns (panels p0, p1), all k groups whole (k % 4 == 0): the common case,
  * written out so that the 8 accumulators stay in registers. */
-static inline void tile_4x2(const int8_t *const *ar, const int8_t *p0, const int8_t *p1,
-                            int64_t g, int32_t *c, int64_t ldc) {
+ALWAYS_INLINE void tile_4x2(const int8_t *const *ar, const int8_t *p0, const int8_t *p1,
+                            int64_t g, int32_t *c, int64_t ldc, const int nonneg) {
     const __m256i ones = _mm256_set1_epi16(1);
     (void)ones;
     __m256i c00 = _mm256_setzero_si256(), c01 = c00, c10 = c00, c11 = c00;
@@ -102,18 +128,18 @@ static inline void tile_4x2(const int8_t *const *ar, const int8_t *p0, const int
         memcpy(&v1, a1 + 4 * q, 4);
         memcpy(&v2, a2 + 4 * q, 4);
         memcpy(&v3, a3 + 4 * q, 4);
-        __m256i av = _mm256_set1_epi32(v0), au = _mm256_abs_epi8(av);
-        STEP(c00, au, av, b0, ones);
-        STEP(c01, au, av, b1, ones);
-        av = _mm256_set1_epi32(v1), au = _mm256_abs_epi8(av);
-        STEP(c10, au, av, b0, ones);
-        STEP(c11, au, av, b1, ones);
-        av = _mm256_set1_epi32(v2), au = _mm256_abs_epi8(av);
-        STEP(c20, au, av, b0, ones);
-        STEP(c21, au, av, b1, ones);
-        av = _mm256_set1_epi32(v3), au = _mm256_abs_epi8(av);
-        STEP(c30, au, av, b0, ones);
-        STEP(c31, au, av, b1, ones);
+        __m256i av = _mm256_set1_epi32(v0);
+        ROW_STEP(nonneg, c00, av, b0, ones);
+        ROW_STEP(nonneg, c01, av, b1, ones);
+        av = _mm256_set1_epi32(v1);
+        ROW_STEP(nonneg, c10, av, b0, ones);
+        ROW_STEP(nonneg, c11, av, b1, ones);
+        av = _mm256_set1_epi32(v2);
+        ROW_STEP(nonneg, c20, av, b0, ones);
+        ROW_STEP(nonneg, c21, av, b1, ones);
+        av = _mm256_set1_epi32(v3);
+        ROW_STEP(nonneg, c30, av, b0, ones);
+        ROW_STEP(nonneg, c31, av, b1, ones);
     }
     _mm256_storeu_si256((__m256i *)(c), c00);
     _mm256_storeu_si256((__m256i *)(c + 8), c01);
@@ -127,8 +153,9 @@ static inline void tile_4x2(const int8_t *const *ar, const int8_t *p0, const int
 
 /* Any tile at the edges: rows <= 4 x (one or two panels; `cols` of their 16 columns
  * stored), a last partial k group read through group_at. */
-static void tile_edge(const int8_t *const *ar, int rows, const int8_t *p0, const int8_t *p1,
-                      int64_t g, int64_t k, int32_t *c, int64_t ldc, int cols) {
+ALWAYS_INLINE void tile_edge(const int8_t *const *ar, int rows, const int8_t *p0,
+                            const int8_t *p1, int64_t g, int64_t k, int32_t *c, int64_t ldc,
+                            int cols, const int nonneg) {
     const __m256i ones = _mm256_set1_epi16(1);
     (void)ones;
     const int64_t full = k / 4;
@@ -141,9 +168,10 @@ static void tile_edge(const int8_t *const *ar, int rows, const int8_t *p0, const
             else
                 v = group_at(ar[r], q, k);
             const __m256i av = _mm256_set1_epi32(v);
-            const __m256i au = _mm256_abs_epi8(av);
-            STEP(acc0, au, av, _mm256_loadu_si256((const __m256i *)(p0 + q * 32)), ones);
-            if (p1) STEP(acc1, au, av, _mm256_loadu_si256((const __m256i *)(p1 + q * 32)), ones);
+            ROW_STEP(nonneg, acc0, av, _mm256_loadu_si256((const __m256i *)(p0 + q * 32)), ones);
+            if (p1)
+                ROW_STEP(nonneg, acc1, av, _mm256_loadu_si256((const __m256i *)(p1 + q * 32)),
+                         ones);
         }
         int32_t out[16];
         _mm256_storeu_si256((__m256i *)out, acc0);
@@ -153,13 +181,10 @@ static void tile_edge(const int8_t *const *ar, int rows, const int8_t *p0, const
 }
 #endif
 
-/* c (rows [r0, r1) x columns [c0, c1), row stride ldc; row r0 at c) = A x B^T for A
- * (m x k, row stride lda) and B packed by aiayn_int8_pack (n columns); c0 a multiple of
- * 8. Rows are taken from r0 so that two threads can split them. */
-void aiayn_int8_gemm(const int8_t *a, int64_t lda, int64_t r0, int64_t r1, int64_t k,
-                     const int8_t *packed, int64_t c0, int64_t c1, int32_t *c, int64_t ldc) {
-    if (r1 <= r0 || c1 <= c0) return;
 #if defined(__AVX2__)
+ALWAYS_INLINE void gemm_avx2(const int8_t *a, int64_t lda, int64_t r0, int64_t r1, int64_t k,
+                             const int8_t *packed, int64_t c0, int64_t c1, int32_t *c,
+                             int64_t ldc, const int nonneg) {
     const int64_t g = groups_of(k);
     /* columns in blocks whose packed weights (16 KiB) stay in L1 while every row block
      * passes over them; the rows (M x k bytes) are read again per block, from L2 */
@@ -177,12 +202,36 @@ void aiayn_int8_gemm(const int8_t *a, int64_t lda, int64_t r0, int64_t r1, int64
             const int8_t *p1 = cols > PANEL ? p0 + g * 32 : NULL;
             int32_t *cij = c + (i - r0) * ldc + (j - c0);
             if (rows == 4 && cols == 2 * PANEL && k % 4 == 0)
-                tile_4x2(ar, p0, p1, g, cij, ldc);
+                tile_4x2(ar, p0, p1, g, cij, ldc, nonneg);
             else
-                tile_edge(ar, rows, p0, p1, g, k, cij, ldc, cols);
+                tile_edge(ar, rows, p0, p1, g, k, cij, ldc, cols, nonneg);
         }
     }
     }
+}
+#endif
+
+/* c (rows [r0, r1) x columns [c0, c1), row stride ldc; row r0 at c) = A x B^T for A
+ * (m x k, row stride lda) and B packed by aiayn_int8_pack (n columns); c0 a multiple of
+ * 8. Rows are taken from r0 so that two threads can split them. */
+void aiayn_int8_gemm(const int8_t *a, int64_t lda, int64_t r0, int64_t r1, int64_t k,
+                     const int8_t *packed, int64_t c0, int64_t c1, int32_t *c, int64_t ldc) {
+    if (r1 <= r0 || c1 <= c0) return;
+#if defined(__AVX2__)
+    gemm_avx2(a, lda, r0, r1, k, packed, c0, c1, c, ldc, 0);
+#else
+    gemm_plain(a, lda, r0, r1, k, packed, c0, c1 - c0, c, ldc);
+#endif
+}
+
+/* The same for A whose every element is >= 0 (in [0, 127]): no signs to move (see top).
+ * A negative element gives a wrong sum: only for rows known non-negative. */
+void aiayn_int8_gemm_nonneg(const int8_t *a, int64_t lda, int64_t r0, int64_t r1, int64_t k,
+                            const int8_t *packed, int64_t c0, int64_t c1, int32_t *c,
+                            int64_t ldc) {
+    if (r1 <= r0 || c1 <= c0) return;
+#if defined(__AVX2__)
+    gemm_avx2(a, lda, r0, r1, k, packed, c0, c1, c, ldc, 1);
 #else
     gemm_plain(a, lda, r0, r1, k, packed, c0, c1 - c0, c, ldc);
 #endif
