@@ -481,6 +481,41 @@ def test_int8_linear_is_the_product_of_the_quantized_operands(bias: bool, monkey
         assert (fused == 0).any() and (fused > 0).any(), name
 
 
+def test_int8_linear_with_7_bit_activations_is_the_product_of_those(monkeypatch) -> None:
+    """`act_bits = 7` (AIAYN_INT8_ACTIVATIONS=7): the inputs quantized to 63 steps a side
+    by the definition, the product exact, the same with the compiled library and without;
+    `quantize_linears` reads the variable and refuses other values."""
+    import aiayn.fast.int8_ops as tr
+    from aiayn.fast import native
+    from aiayn.fast.inference import quantize_linears
+
+    torch.manual_seed(2)
+    lin = torch.nn.Linear(96, 40).requires_grad_(False)
+    layer = Int8Linear(lin)
+    layer.act_bits = 7
+    x = torch.randn(11, 96) * 3
+    qw, sw = _quantized(lin.weight)
+    amax = x.double().abs().amax(dim=1, keepdim=True)
+    qx = torch.round(x.double() * (63 / amax))
+    exact = (qx @ qw.t()) * (amax / 63) * sw.t() + lin.bias.double()
+    got = {"native": layer(x)}
+    monkeypatch.setattr(native, "library", lambda: None)
+    monkeypatch.setattr(tr, "backend", lambda: "float")
+    layer._weight = tr.Int8Weight(layer.weight_int8)
+    got["torch ops"] = layer(x)
+    monkeypatch.undo()
+    for name, y in got.items():
+        torch.testing.assert_close(y.double(), exact, rtol=1e-6, atol=1e-5, msg=name)
+    eight = Int8Linear(lin)
+    assert not torch.equal(eight(x), got["native"])  # not the 8-bit layer's values
+    monkeypatch.setenv("AIAYN_INT8_ACTIVATIONS", "7")
+    model = quantize_linears(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+    assert model[0].act_bits == 7 and "7-bit" in repr(model)
+    monkeypatch.setenv("AIAYN_INT8_ACTIVATIONS", "6")
+    with pytest.raises(ValueError, match="AIAYN_INT8_ACTIVATIONS"):
+        quantize_linears(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+
+
 def test_int8_ffn_second_layer_reads_its_relu_input_without_signs() -> None:
     """`quantize_linears` marks exactly the FFNs' second layers (`nonneg_input`: their
     input is max(0, .), Eq. 2), whose products then take aiayn's kernel without sign moves;

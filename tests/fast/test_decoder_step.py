@@ -14,7 +14,7 @@ from aiayn.config import EOS_ID, PAD_ID, ModelConfig
 from aiayn.decoding.search import beam_search, greedy_search
 from aiayn.fast import accelerate, native
 from aiayn.fast.decoder_step import MAX_SENTENCES, NativeStates, plan_for
-from aiayn.fast.inference import cast
+from aiayn.fast.inference import Int8Linear, cast
 from aiayn.model import Transformer
 
 pytestmark = [
@@ -26,14 +26,20 @@ CFG = ModelConfig(N=2, d_model=32, d_ff=64, h=4, d_k=8, d_v=8, P_drop=0.0, vocab
 
 
 def models(dtype: str = "fp32", **changes: object) -> tuple[Transformer, Transformer]:
-    """The paper's model (float32, eval) and the fast model in `dtype` with its weights.
-    The output layer is scaled up so that the next-token distributions are peaked: a
-    random model's near-ties would make token identity a matter of the last bit."""
+    """The paper's model (float32, eval) and the fast model in `dtype` with its weights
+    ("int8-r7": int8 with 7-bit activations, AIAYN_INT8_ACTIVATIONS=7). The output layer
+    is scaled up so that the next-token distributions are peaked: a random model's
+    near-ties would make token identity a matter of the last bit."""
     torch.manual_seed(0)
     paper = Transformer(replace(CFG, **changes)).eval()
     with torch.no_grad():
         paper.generator.weight.mul_(4.0)
-    return paper, cast(accelerate(copy.deepcopy(paper)), dtype).eval()
+    fast = cast(accelerate(copy.deepcopy(paper)), dtype.removesuffix("-r7")).eval()
+    if dtype == "int8-r7":
+        for m in fast.modules():
+            if isinstance(m, Int8Linear):
+                m.act_bits = 7
+    return paper, fast
 
 
 def sources(seed: int = 1, n: int = 5) -> torch.Tensor:
@@ -99,12 +105,14 @@ def test_float32_steps_equal_the_per_layer_path(norm: str, d_v: int, monkeypatch
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", ["int8", "int8-r7"])
 @pytest.mark.parametrize("norm", ["post", "pre"])
-def test_int8_steps_equal_the_per_layer_path(norm: str, monkeypatch) -> None:
+def test_int8_steps_equal_the_per_layer_path(dtype: str, norm: str, monkeypatch) -> None:
     """The int8 layers' arithmetic is the same C code in both paths; LayerNorm sums in
     another order, and where that moves an activation across a rounding boundary of its
     row's quantization one product changes by a step: a few logits by ~1e-3 at most."""
-    _, fast = models("int8", norm=norm)
+    _, fast = models(dtype, norm=norm)
+    assert any(isinstance(m, Int8Linear) and m._r7 for m in fast.modules()) == (dtype == "int8-r7")
     src = sources()
     one_call = steps(fast, src, True, monkeypatch)
     per_layer = steps(fast, src, False, monkeypatch)
@@ -114,7 +122,7 @@ def test_int8_steps_equal_the_per_layer_path(norm: str, monkeypatch) -> None:
         assert (diff > 1e-4).float().mean() < 0.05
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "int8"])
+@pytest.mark.parametrize("dtype", ["fp32", "int8", "int8-r7"])
 @pytest.mark.parametrize("beam", [1, 4])
 def test_searches_give_the_papers_translations(dtype: str, beam: int, monkeypatch) -> None:
     """Greedy and beam search (n-best) with the one-call step: the tokens of the paper's
@@ -142,7 +150,7 @@ def test_searches_give_the_papers_translations(dtype: str, beam: int, monkeypatc
         assert [h.score for h in b] == pytest.approx([h.score for h in a], abs=tol)
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "int8"])
+@pytest.mark.parametrize("dtype", ["fp32", "int8", "int8-r7"])
 def test_a_sentence_alone_steps_as_in_a_batch(dtype: str, monkeypatch) -> None:
     """Each row is computed on its own: given the same encoder output, a sentence's logits
     alone are its logits in a batch, bit for bit."""
@@ -279,7 +287,7 @@ def test_a_step_of_fused_adam_between_searches_is_seen(monkeypatch) -> None:
     assert tokens != [[h.tokens for h in hs] for hs in before]
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "int8"])
+@pytest.mark.parametrize("dtype", ["fp32", "int8", "int8-r7"])
 @pytest.mark.parametrize("norm", ["post", "pre"])
 def test_the_compiled_search_is_the_python_search(dtype: str, norm: str, monkeypatch) -> None:
     """The whole search in C (csrc/beam_search.c) against search.py's loop over the same

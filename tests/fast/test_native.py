@@ -784,6 +784,16 @@ def test_int8_gemm_is_exact_over_the_whole_range(m: int, n: int, k: int) -> None
             if n > 8:
                 part = native.int8_gemm(relu, packed, n, 8, n - 1, nonneg=True)
                 assert torch.equal(part.long(), (relu.long() @ b.long().t())[:, 8 : n - 1])
+            # 7-bit activations stored plus 64 (quantize_rows(bits=7)): the product of the
+            # values, the weights' column sums kept by int8_pack
+            a7 = (a.long() * 63 // 127).clamp(-63, 63)
+            a7[0, : min(k, 4)] = -63
+            biased = (a7 + 64).to(torch.int8)
+            got = native.int8_gemm(biased, packed, n, r7=True)
+            assert torch.equal(got.long(), a7 @ b.long().t()), t
+            if n > 8:
+                part = native.int8_gemm(biased, packed, n, 8, n - 1, r7=True)
+                assert torch.equal(part.long(), (a7 @ b.long().t())[:, 8 : n - 1])
     finally:
         torch.set_num_threads(threads)
 

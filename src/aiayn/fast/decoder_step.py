@@ -57,6 +57,8 @@ MAX_SENTENCES = 16
 #: keys and values of its output, run in one call (measured: docs/performance.md, "A step
 #: at batch 1").
 MAX_ENCODER_ROWS = 64
+#: aiayn_linear.int8 for int8 weights with 7-bit inputs (INT8_R7 in csrc/decoder_step.h).
+INT8_R7 = 2
 
 _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
@@ -280,7 +282,7 @@ class DecoderPlan:
             return _Linear(
                 n=layer.out_features,
                 k=layer.in_features,
-                int8=1,
+                int8=INT8_R7 if layer.act_bits == 7 else 1,  # ff2: 8 bits in the C step too
                 packed=packed.data_ptr(),
                 scale=self._ptr(layer.weight_scale),
                 bias=None if bias is None else self._ptr(bias),
@@ -318,7 +320,7 @@ def _key(model: nn.Module) -> tuple[Any, ...] | None:
         m = todo.pop()
         if m._forward_hooks or m._forward_pre_hooks:
             return None
-        key.append(id(m))
+        key.append((id(m), m.__dict__.get("act_bits")))  # an int8 layer's input bits
         for t in (*m._parameters.values(), *m._buffers.values()):
             if t is not None:  # inference tensors have no version counter
                 v = 0 if t.is_inference() else t._version

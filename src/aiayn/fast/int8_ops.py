@@ -25,13 +25,15 @@ from aiayn import cpu_isa
 from aiayn.fast import native
 
 
-def quantize_per_row(t: Tensor) -> tuple[Tensor, Tensor]:
+def quantize_per_row(t: Tensor, bits: int = 8) -> tuple[Tensor, Tensor]:
     """Symmetric int8 per row of a 2-D float32 tensor, with PyTorch ops: (int8 q, float32
     scale), q = round(t * 127 / max|t|) (ties to even), scale = max|t| / 127; an all-zero
-    row gives zeros and scale 0. `native.quantize_rows` computes the same in C."""
+    row gives zeros and scale 0 (`bits=7`: 63 for 127). `native.quantize_rows` computes the
+    same in C (for 7 bits it stores q + 64)."""
+    top = float((1 << (bits - 1)) - 1)
     amax = t.abs().amax(dim=1)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-    return torch.round(t * inv[:, None]).to(torch.int8), amax / 127.0
+    inv = torch.where(amax > 0, top / amax, torch.zeros_like(amax))
+    return torch.round(t * inv[:, None]).to(torch.int8), amax / top
 
 
 #: What computes int8 products here (`backend`): PyTorch's torch._int_mm, aiayn's kernel,
@@ -96,12 +98,17 @@ class Int8Weight:
         c1: int | None = None,
         out: Tensor | None = None,
         nonneg: bool = False,
+        r7: bool = False,
     ) -> Tensor:
-        """`nonneg`: every element of `a` is >= 0 (aiayn's kernel then moves no signs)."""
+        """`nonneg`: every element of `a` is >= 0 (aiayn's kernel then moves no signs);
+        `r7`: `a` holds 7-bit values plus 64 (`native.quantize_rows(x, bits=7)`), the
+        product is that of the values."""
         n = self.weight.size(0)
         c1 = n if c1 is None else c1
         if self.packed is not None:
-            return native.int8_gemm(a, self.packed, n, c0, c1, out, nonneg=nonneg)
+            return native.int8_gemm(a, self.packed, n, c0, c1, out, nonneg=nonneg, r7=r7)
+        if r7:
+            a = (a.to(torch.int16) - 64).to(torch.int8)
         w = self.weight if (c0, c1) == (0, n) else self.weight[c0:c1]
         return int8_matmul(a, w, out=out)
 
@@ -144,6 +151,10 @@ class Int8Linear(nn.Module):
         # Its input is a ReLU's output (the FFN's second layer: `quantize_linears` says so):
         # quantized into [0, 127], multiplied without moving signs (csrc/int8_gemm.c).
         self.nonneg_input = False
+        # Bits of the quantized inputs: 8, or 7 (`quantize_linears`, AIAYN_INT8_ACTIVATIONS:
+        # on AVX2 without VNNI aiayn's kernel then multiplies ~1.4x faster, exactly, the
+        # activations one bit coarser). A non-negative input keeps 8: it is already fast.
+        self.act_bits = 8
 
     # The product's copy of the weight (packed for aiayn's kernel) follows the buffer:
     # `.to()` and friends replace it, load_state_dict writes into it.
@@ -164,19 +175,30 @@ class Int8Linear(nn.Module):
         layer, `model.PositionwiseFeedForward`): the same values as torch.relu after it."""
         return self._forward(x, relu=True)
 
+    @property
+    def _r7(self) -> bool:
+        return self.act_bits == 7 and not self.nonneg_input
+
     def _quantized(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """The rows of x (..., in_features) quantized: (rows, in) int8 and each row's
-        scale."""
+        scale (with 7 bits, for `_weight.matmul(..., r7=True)`: the values plus 64)."""
         x2 = x.reshape(-1, self.in_features)
         if x2.stride(-1) != 1 or x2.dtype != torch.float32:
             x2 = x2.float().contiguous()
+        if self._r7:
+            got = native.quantize_rows(x2, bits=7)
+            if got is not None:
+                return got
+            q, scale = quantize_per_row(x2, bits=7)
+            return (q.to(torch.int16) + 64).to(torch.int8), scale
         return native.quantize_rows(x2) or quantize_per_row(x2)
 
     def _products(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """The rows of x (..., in_features) quantized and multiplied: the (rows, out)
         int32 products and each row's scale."""
         x_int8, x_scale = self._quantized(x)
-        return self._weight.matmul(x_int8, nonneg=self.nonneg_input), x_scale
+        acc = self._weight.matmul(x_int8, nonneg=self.nonneg_input, r7=self._r7)
+        return acc, x_scale
 
     def _forward(self, x: Tensor, relu: bool) -> Tensor:
         lead = x.shape[:-1]
@@ -211,7 +233,7 @@ class Int8Linear(nn.Module):
 
         def products(c0: int, c1: int) -> Tensor:
             out = flat[: rows * (c1 - c0)].view(rows, -1)
-            return self._weight.matmul(x_int8, c0, c1, out=out)
+            return self._weight.matmul(x_int8, c0, c1, out=out, r7=self._r7)
 
         return native.lse_topk_int8_blocked(
             products, rows, v, x_scale, self.weight_scale, self.bias, k, exclude, block
@@ -220,5 +242,5 @@ class Int8Linear(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"bias={self.bias is not None}, int8"
+            f"bias={self.bias is not None}, int8" + (", 7-bit activations" if self._r7 else "")
         )

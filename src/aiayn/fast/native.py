@@ -156,6 +156,7 @@ _SIGNATURES: dict[str, list[Any]] = {
 #: Functions of one type only (no _bf16 / _f32 pair).
 _PLAIN_SIGNATURES: dict[str, list[Any]] = {
     "aiayn_quantize_rows": [_P, _I64, _I64, _I64, _I64, _P, _P],
+    "aiayn_quantize_rows_r7": [_P, _I64, _I64, _I64, _I64, _P, _P],
     "aiayn_dequantize_rows": [_P, _I64, _I64, _I64, _P, _P, _P, _INT],
     "aiayn_lse_topk_i32_block": [
         _P,
@@ -182,6 +183,7 @@ _PLAIN_SIGNATURES: dict[str, list[Any]] = {
     "aiayn_int8_gemm": [_P, _I64, _I64, _I64, _I64, _P, _I64, _I64, _P, _I64],
     "aiayn_int8_gemm_plain": [_P, _I64, _I64, _I64, _I64, _P, _I64, _I64, _P, _I64],
     "aiayn_int8_gemm_nonneg": [_P, _I64, _I64, _I64, _I64, _P, _I64, _I64, _P, _I64],
+    "aiayn_int8_gemm_r7": [_P, _I64, _I64, _I64, _I64, _P, _I64, _I64, _I64, _P, _I64],
 }
 #: Sizes the attention kernels take at most (MAX_D, MAX_ROW, MAX_HEADS in the C code):
 #: d_k and d_v; h*d_k, h*d_v and (rows per sentence)*d_v; h and rows per sentence.
@@ -685,13 +687,17 @@ def smoothed_ce(
     return lse, picked, total
 
 
-def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor] | None:
+def quantize_rows(x: Tensor, bits: int = 8) -> tuple[Tensor, Tensor] | None:
     """Each row of the (R, K) float32 CPU matrix `x` (unit column stride) as int8 with
     its own scale: (R, K) int8 q and (R,) float32 s, q = round(x * 127 / max|x|) (ties to
-    even), s = max|x| / 127, so x ~ s q. None without the library."""
+    even), s = max|x| / 127, so x ~ s q. `bits=7`: q = round(x * 63 / max|x|) + 64, in
+    [1, 127], s = max|x| / 63, so x ~ s (q - 64), for `int8_gemm(..., r7=True)`. None
+    without the library."""
     lib = library()
     if lib is None:
         return None
+    if bits not in (7, 8):
+        raise ValueError(f"bits must be 7 or 8, got {bits}")
     assert x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1
     r, k = x.shape
     q = torch.empty(r, k, dtype=torch.int8)
@@ -700,7 +706,8 @@ def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor] | None:
     # one thread: handing half the rows to the helper thread costs more than these passes
     # take at decoding sizes, and two threads did not speed up even the output layer's
     # dequantizing (measured: docs/performance.md)
-    lib.aiayn_quantize_rows(x.data_ptr(), x.stride(0), 0, r, k, q.data_ptr(), scale.data_ptr())
+    fn = lib.aiayn_quantize_rows if bits == 8 else lib.aiayn_quantize_rows_r7
+    fn(x.data_ptr(), x.stride(0), 0, r, k, q.data_ptr(), scale.data_ptr())
     return q, scale
 
 
@@ -731,13 +738,15 @@ INT8_PANEL = 8
 
 def int8_pack(b: Tensor) -> Tensor | None:
     """The (N, K) int8 weight `b` (unit column stride) packed for `int8_gemm`: panels of 8
-    output columns, 4 k at a time (csrc/int8_gemm.c). None without the library."""
+    output columns, 4 k at a time, then each column's sum (csrc/int8_gemm.c). None without
+    the library."""
     lib = library()
     if lib is None:
         return None
     assert b.dtype == torch.int8 and b.dim() == 2 and b.stride(1) == 1
     n, k = b.shape
-    size = (n + INT8_PANEL - 1) // INT8_PANEL * ((k + 3) // 4) * 32
+    panels = (n + INT8_PANEL - 1) // INT8_PANEL
+    size = panels * ((k + 3) // 4) * 32 + panels * INT8_PANEL * 4
     packed = torch.empty(size, dtype=torch.int8)
     lib.aiayn_int8_pack(b.data_ptr(), b.stride(0), n, k, packed.data_ptr())
     return packed
@@ -757,14 +766,16 @@ def int8_gemm(
     *,
     plain: bool = False,
     nonneg: bool = False,
+    r7: bool = False,
 ) -> Tensor:
     """a @ B[c0:c1].T exactly, for the (M, K) int8 `a` (unit column stride) and the weight
     B (N = `n` rows) packed by `int8_pack`: (M, c1 - c0) int32, into `out` (contiguous) if
     given. c0 a multiple of 8. `plain`: the C loops even where the AVX2 path was built (for
     the tests). `nonneg`: every element of `a` is >= 0 (a ReLU's output), which the AVX2
     kernel multiplies without moving signs (~1.4x on Zen 3; wrong sums for a negative `a`).
-    With two intra-op threads the rows (or, for few rows, the columns) are split with the
-    helper thread. Check `library()` first."""
+    `r7`: `a` is `quantize_rows(x, bits=7)`'s (a + 64): the product of (a - 64), at the
+    speed of `nonneg`. With two intra-op threads the rows (or, for few rows, the columns)
+    are split with the helper thread. Check `library()` first."""
     lib = library()
     assert lib is not None and a.dtype == torch.int8 and a.dim() == 2 and a.stride(1) == 1
     c1 = n if c1 is None else c1
@@ -773,7 +784,12 @@ def int8_gemm(
     if out is None:
         out = torch.empty(m, c1 - c0, dtype=torch.int32)
     assert out.shape == (m, c1 - c0) and out.dtype == torch.int32 and out.is_contiguous()
-    if plain:
+    if r7:
+        n_all = n
+
+        def fn(a_, lda, r0, r1, k_, p, lo, hi, c, ldc):  # type: ignore[no-untyped-def]
+            lib.aiayn_int8_gemm_r7(a_, lda, r0, r1, k_, p, n_all, lo, hi, c, ldc)
+    elif plain:
         fn = lib.aiayn_int8_gemm_plain
     else:
         fn = lib.aiayn_int8_gemm_nonneg if nonneg else lib.aiayn_int8_gemm

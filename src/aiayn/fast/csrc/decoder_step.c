@@ -43,6 +43,11 @@ void aiayn_int8_gemm(const int8_t *a, int64_t lda, int64_t r0, int64_t r1, int64
 void aiayn_int8_gemm_nonneg(const int8_t *a, int64_t lda, int64_t r0, int64_t r1, int64_t k,
                             const int8_t *packed, int64_t c0, int64_t c1, int32_t *c,
                             int64_t ldc);
+void aiayn_quantize_rows_r7(const float *x, int64_t ld, int64_t r0, int64_t r1, int64_t k,
+                            int8_t *q, float *scale);
+void aiayn_int8_gemm_r7(const int8_t *a, int64_t lda, int64_t r0, int64_t r1, int64_t k,
+                        const int8_t *packed, int64_t n, int64_t c0, int64_t c1, int32_t *c,
+                        int64_t ldc);
 void aiayn_cached_attention_f32(const float *q, int64_t q_ld, const float *const *pos,
                                 int64_t ld, int64_t k_off, int64_t v_off, const int64_t *path,
                                 int64_t path_ld, int64_t t, int64_t r0, int64_t r1, int h,
@@ -140,11 +145,16 @@ static void linear(const aiayn_linear *L, const float *x, int64_t ldx, int64_t r
     const int64_t n = L->n, k = L->k;
     const int relu = flags & RELU_OUT;
     if (L->int8) {
-        aiayn_quantize_rows(x, ldx, 0, rows, k, q, row_scale);
-        if (flags & NONNEG_IN)
+        if (flags & NONNEG_IN) { /* 8 bits whatever L->int8: [0, 127] moves no signs */
+            aiayn_quantize_rows(x, ldx, 0, rows, k, q, row_scale);
             aiayn_int8_gemm_nonneg(q, k, 0, rows, k, L->packed, 0, n, acc, n);
-        else
+        } else if (L->int8 == INT8_R7) {
+            aiayn_quantize_rows_r7(x, ldx, 0, rows, k, q, row_scale);
+            aiayn_int8_gemm_r7(q, k, 0, rows, k, L->packed, n, 0, n, acc, n);
+        } else {
+            aiayn_quantize_rows(x, ldx, 0, rows, k, q, row_scale);
             aiayn_int8_gemm(q, k, 0, rows, k, L->packed, 0, n, acc, n);
+        }
         aiayn_dequantize_rows(acc, 0, rows, n, row_scale, L->scale, L->bias, relu);
         const float *f = (const float *)acc;
         if (f != y || ldy != n)
@@ -359,7 +369,11 @@ void aiayn_decoder_step(const aiayn_decoder *m, const int64_t *tokens, int64_t r
         return;
     }
     /* int8: the products a block of columns at a time, scaled as read (Int8Linear.lse_topk) */
-    aiayn_quantize_rows(x, D, 0, rows, D, q, row_scale);
+    const int r7 = o->int8 == INT8_R7;
+    if (r7)
+        aiayn_quantize_rows_r7(x, D, 0, rows, D, q, row_scale);
+    else
+        aiayn_quantize_rows(x, D, 0, rows, D, q, row_scale);
     for (int64_t r = 0; r < rows; r++) {
         run_m[r] = -INFINITY;
         run_s[r] = 0.0f;
@@ -368,7 +382,10 @@ void aiayn_decoder_step(const aiayn_decoder *m, const int64_t *tokens, int64_t r
     const int64_t block = m->out_block;
     for (int64_t c0 = 0; c0 < V; c0 += block) {
         const int64_t c1 = c0 + block < V ? c0 + block : V, n = c1 - c0;
-        aiayn_int8_gemm(q, D, 0, rows, D, o->packed, c0, c1, acc, n);
+        if (r7)
+            aiayn_int8_gemm_r7(q, D, 0, rows, D, o->packed, V, c0, c1, acc, n);
+        else
+            aiayn_int8_gemm(q, D, 0, rows, D, o->packed, c0, c1, acc, n);
         aiayn_lse_topk_i32_block(acc, 0, rows, n, n, c0, row_scale, o->scale + c0,
                                  o->bias ? o->bias + c0 : NULL, top_k, excl, n_excl, c1 == V,
                                  buf, run_m, run_s, top_val, top_idx);

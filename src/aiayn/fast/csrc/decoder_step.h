@@ -6,7 +6,8 @@
 
 /* A linear layer y = x W^T + b: float32 (w, n x k, row-major; packed, if not NULL, its
  * panels for gemm_f32_packed) or int8 (packed by aiayn_int8_pack, scale one per output
- * column). */
+ * column), its inputs quantized to 8 bits (int8 = 1) or to 7 (INT8_R7: aiayn_int8_gemm_r7). */
+#define INT8_R7 2
 typedef struct {
     int64_t n, k;
     int int8;

@@ -37,13 +37,20 @@
 static inline int64_t groups_of(int64_t k) { return (k + 3) / 4; }
 
 /* B (n x k, row stride ldb) into `packed`: ceil(n / 8) panels of ceil(k / 4) groups of 32
- * bytes (native.int8_pack sizes it). */
+ * bytes, then each column's sum of weights as int32 (padded to whole panels; for
+ * aiayn_int8_gemm_r7), native.int8_pack sizes it. */
 void aiayn_int8_pack(const int8_t *b, int64_t ldb, int64_t n, int64_t k, int8_t *packed) {
     const int64_t g = groups_of(k), panels = (n + PANEL - 1) / PANEL;
-    memset(packed, 0, (size_t)(panels * g * 32));
+    memset(packed, 0, (size_t)(panels * g * 32 + panels * PANEL * 4));
+    int32_t *sums = (int32_t *)(packed + panels * g * 32);
     for (int64_t j = 0; j < n; j++) {
         int8_t *panel = packed + (j / PANEL) * g * 32 + (j % PANEL) * 4;
-        for (int64_t kk = 0; kk < k; kk++) panel[(kk / 4) * 32 + kk % 4] = b[j * ldb + kk];
+        int32_t sum = 0;
+        for (int64_t kk = 0; kk < k; kk++) {
+            panel[(kk / 4) * 32 + kk % 4] = b[j * ldb + kk];
+            sum += b[j * ldb + kk];
+        }
+        sums[j] = sum;
     }
 }
 
@@ -242,4 +249,24 @@ void aiayn_int8_gemm_plain(const int8_t *a, int64_t lda, int64_t r0, int64_t r1,
                            const int8_t *packed, int64_t c0, int64_t c1, int32_t *c,
                            int64_t ldc) {
     if (r1 > r0 && c1 > c0) gemm_plain(a, lda, r0, r1, k, packed, c0, c1 - c0, c, ldc);
+}
+
+/* A quantized to 7 bits and stored with 64 added (aiayn_quantize_rows_r7: bytes a + 64 in
+ * [1, 127] for a in [-63, 63]; B packed for n columns): c = (A - 64) x B^T exactly, as the non-negative product
+ * minus 64 times each column's sum of weights (kept after the panels by aiayn_int8_pack).
+ * The activations lose a bit against aiayn_int8_gemm's; the products, at the speed of
+ * aiayn_int8_gemm_nonneg, stay exact (PyTorch's fbgemm quantizes activations to 7 bits on
+ * x86 for the same reason: `reduce_range`). */
+void aiayn_int8_gemm_r7(const int8_t *a, int64_t lda, int64_t r0, int64_t r1, int64_t k,
+                        const int8_t *packed, int64_t n, int64_t c0, int64_t c1, int32_t *c,
+                        int64_t ldc) {
+    if (r1 <= r0 || c1 <= c0) return;
+    aiayn_int8_gemm_nonneg(a, lda, r0, r1, k, packed, c0, c1, c, ldc);
+    const int32_t *sums =
+        (const int32_t *)(packed + (n + PANEL - 1) / PANEL * groups_of(k) * 32) + c0;
+    for (int64_t i = 0; i < r1 - r0; i++) {
+        int32_t *ci = c + i * ldc;
+#pragma omp simd
+        for (int64_t j = 0; j < c1 - c0; j++) ci[j] -= 64 * sums[j];
+    }
 }

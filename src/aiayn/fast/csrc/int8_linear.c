@@ -31,6 +31,28 @@ void aiayn_quantize_rows(const float *x, int64_t ld, int64_t r0, int64_t r1, int
     }
 }
 
+/* The same rows to 7 bits for aiayn_int8_gemm_r7: a = rint(x * 63 / max|x|) in [-63, 63],
+ * stored as a + 64 (in [1, 127]: non-negative, so the products move no signs),
+ * scale = max|x| / 63. */
+void aiayn_quantize_rows_r7(const float *x, int64_t ld, int64_t r0, int64_t r1, int64_t k,
+                            int8_t *q, float *scale) {
+    for (int64_t r = r0; r < r1; r++) {
+        const float *row = x + r * ld;
+        float m = 0.0f;
+#pragma omp simd reduction(max : m)
+        for (int64_t j = 0; j < k; j++) {
+            const float a = fabsf(row[j]);
+            m = a > m ? a : m;
+        }
+        const float inv = m > 0.0f ? 63.0f / m : 0.0f;
+        scale[r] = m / 63.0f;
+        int8_t *out = q + r * k;
+#pragma omp simd
+        for (int64_t j = 0; j < k; j++)
+            out[j] = (int8_t)(64 + (int)rintf(row[j] * inv));
+    }
+}
+
 /* Rows [r0, r1) of the (rows, n) int32 products, in place to float32:
  * y = acc * row_scale[r] * col_scale[j] (+ bias[j] where bias is not NULL), then
  * max(0, y) where relu is not 0 (the FFN's first layer: no pass of its own over the
