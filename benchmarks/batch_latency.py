@@ -69,6 +69,22 @@ def pad(rows: list[list[int]]) -> torch.Tensor:
     return torch.tensor([r + [PAD_ID] * (width - len(r)) for r in rows])
 
 
+def cast_dtype(model: Any, dtype: str) -> Any:
+    """A copy of `model` cast for inference in `dtype`; "int8-r7" is int8 with its inputs
+    quantized to 7 bits (AIAYN_INT8_ACTIVATIONS=7, read while casting)."""
+    from aiayn.fast.machine import cast_for_inference
+
+    before = os.environ.get("AIAYN_INT8_ACTIVATIONS")
+    os.environ["AIAYN_INT8_ACTIVATIONS"] = "7" if dtype == "int8-r7" else "8"
+    try:  # casts in place
+        return cast_for_inference(copy.deepcopy(model), dtype.removesuffix("-r7"))
+    finally:
+        if before is None:
+            del os.environ["AIAYN_INT8_ACTIVATIONS"]
+        else:
+            os.environ["AIAYN_INT8_ACTIVATIONS"] = before
+
+
 def aiayn_run(model: Any, ids: list[list[int]], batch: int, beam: int, out_len: int) -> list[int]:
     from aiayn.decoding.search import beam_search, greedy_search
 
@@ -110,7 +126,11 @@ def main() -> int:
     p.add_argument("--input", help="--checkpoint's source sentences (plain or gzip)")
     p.add_argument("--batches", default="1,16,64", help="sentences per search")
     p.add_argument("--beams", default="4,1", help="beam sizes (1: greedy)")
-    p.add_argument("--dtypes", default="int8,fp32", help="aiayn's precisions")
+    p.add_argument(
+        "--dtypes",
+        default="int8,fp32",
+        help="aiayn's precisions (int8-r7: int8 with 7-bit activations, AIAYN_INT8_ACTIVATIONS=7)",
+    )
     p.add_argument("--ct2", default="int8,float32", help="CTranslate2's compute types")
     p.add_argument("--out-len", type=int, default=20, help="presets: outputs forced to this")
     p.add_argument(
@@ -139,7 +159,6 @@ def main() -> int:
     from aiayn import speed
     from aiayn.decoding.search import NEVER_GENERATED
     from aiayn.deploy.export import to_ctranslate2, vocabulary
-    from aiayn.fast.machine import cast_for_inference
 
     torch.set_num_threads(1)
     names = [x for x in args.presets.split(",") if x] + (["checkpoint"] if args.checkpoint else [])
@@ -156,7 +175,7 @@ def main() -> int:
         out = to_ctranslate2(model, Path(tmp.name) / name, table, never_generate=NEVER_GENERATED)
         systems: dict[str, Any] = {}
         for dtype in args.dtypes.split(","):
-            fast = cast_for_inference(copy.deepcopy(model), dtype)  # casts in place
+            fast = cast_dtype(model, dtype)
             systems[f"aiayn {dtype}"] = ("aiayn", fast)
             if args.per_layer:
                 systems[f"aiayn {dtype} per-layer"] = ("per-layer", fast)

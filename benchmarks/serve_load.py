@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import os
 import socket
 import statistics
 import tempfile
@@ -55,13 +56,17 @@ def _server(engine: str, checkpoint: str, port: int, opts: dict[str, Any]) -> No
         from aiayn.fast.machine import cast_for_inference
 
         models, tokenizer, cfg = load_ensemble([checkpoint])
-        model = cast_for_inference(models[0].eval(), opts["dtype"])
+        if opts["dtype"] == "int8-r7":  # int8, inputs to 7 bits (read while casting)
+            os.environ["AIAYN_INT8_ACTIVATIONS"] = "7"
+        model = cast_for_inference(models[0].eval(), opts["dtype"].removesuffix("-r7"))
         backend: Any = AiaynBackend(model, tokenizer, cfg.decode, name=f"aiayn-{opts['dtype']}")
     else:
         from aiayn.deploy.export import export_ctranslate2
 
         out = export_ctranslate2(checkpoint, Path(tempfile.mkdtemp(prefix="ct2-")) / "model")
-        compute = {"fp32": "float32", "int8": "int8", "bf16": "bfloat16"}[opts["dtype"]]
+        compute = {"fp32": "float32", "int8": "int8", "int8-r7": "int8", "bf16": "bfloat16"}[
+            opts["dtype"]
+        ]
         backend = CTranslate2Backend(out, compute, inter_threads=workers, intra_threads=threads)
     processes = engine == "aiayn" and opts["processes"]
     app = create_app(backend, backend.decode, limits, workers=workers, processes=processes)
@@ -161,7 +166,13 @@ def main() -> None:
     ap.add_argument("--sentences", type=int, default=256, help="the first N lines")
     ap.add_argument("--concurrency", default="1,8,32", help="client counts, comma-separated")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds")
-    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "int8"])
+    ap.add_argument(
+        "--dtype",
+        default="fp32",
+        choices=["fp32", "bf16", "int8", "int8-r7"],
+        help="aiayn's (int8-r7: int8 with 7-bit activations, AIAYN_INT8_ACTIVATIONS=7); "
+        "CTranslate2's the same (int8 for int8-r7)",
+    )
     ap.add_argument("--threads", type=int, default=2, help="compute threads per server")
     ap.add_argument(
         "--workers",
