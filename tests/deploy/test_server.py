@@ -645,6 +645,37 @@ def test_an_idle_server_decodes_at_once_and_a_busy_one_batches() -> None:
     assert [first[0][0].text, second[0][0].text, third[0][0].text] == ["A", "B", "C"]
 
 
+def test_a_worker_takes_no_more_than_its_share_of_the_sentences() -> None:
+    """Under a closed loop of clients the workers stay equally busy: a batch holds at most
+    the sentences in the server (waiting or decoding) divided by the workers, so requests
+    arriving together are split between the free workers, not all taken by one."""
+    backend, options = HeldBackend(), Options(beam=1, alpha=0.6, nbest=1)
+    texts = list("bcdefg")
+
+    async def scenario() -> list[Any]:
+        batcher = Batcher(backend, ServerLimits(batch_wait_ms=20), workers=2)
+        await batcher.start()
+        try:
+            first = asyncio.create_task(batcher.submit(["a"], 1, options))
+            while not backend.batches:
+                await asyncio.sleep(0.001)
+            rest = [asyncio.create_task(batcher.submit([t], 1, options)) for t in texts]
+            while len(backend.batches) < 2:  # the free worker's batch (after its wait)
+                await asyncio.sleep(0.001)
+            await asyncio.sleep(0.05)
+            backend.release.set()
+            return [await first, *await asyncio.gather(*rest)]
+        finally:
+            backend.release.set()
+            await batcher.stop()
+
+    results = asyncio.run(scenario())
+    # 7 sentences in the server (a decoding, 6 waiting), 2 workers: batches of at most 4
+    assert backend.batches[0] == ["a"] and backend.batches[1] == ["b", "c", "d", "e"]
+    assert sorted(t for b in backend.batches[2:] for t in b) == ["f", "g"]
+    assert [r[0][0].text for r in results] == ["A", *"BCDEFG"]
+
+
 # ------------------------------------------------------------------------- sampling
 def test_sampling_options_draw_what_translate_sampling_draws(backend: AiaynBackend) -> None:
     """A request with "sampling": its nbest samples a text equal the library's for the same
