@@ -108,31 +108,53 @@ def _preset_checkpoint(checkpoint: str, preset: str, out: Path) -> str:
     return str(path)
 
 
-async def _clients(url: str, sentences: list[str], concurrency: int) -> dict[str, Any]:
-    import httpx
+async def _post(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, body: bytes
+) -> tuple[int, bytes]:
+    """One POST /translate on a kept-alive HTTP/1.1 connection: (status, body)."""
+    writer.write(
+        b"POST /translate HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    head = await reader.readuntil(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    length = next(int(x.split(":", 1)[1]) for x in lines if x.lower().startswith("content-length"))
+    return status, await reader.readexactly(length)
 
+
+async def _clients(url: str, sentences: list[str], concurrency: int) -> dict[str, Any]:
+    """`concurrency` closed-loop clients, each on its own kept-alive connection, posting
+    one sentence and the next when the answer comes. Plain HTTP/1.1 over asyncio streams:
+    httpx's client spent ~5 ms of CPU a request at 32 connections (0.8 of a core here,
+    taken from the servers on a 2-core machine; 1.9 ms at 8), which set the rate at 32
+    clients for both engines."""
+    host, port = url.removeprefix("http://").split(":")
     queue = list(enumerate(sentences))
+    queue.reverse()  # pop() from the end: the sentences in order
     latencies: list[float] = []
     outputs: dict[int, str] = {}
     errors = 0
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=600) as client:
 
-        async def one() -> None:
-            nonlocal errors
+    async def one() -> None:
+        nonlocal errors
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
             while queue:
-                i, text = queue.pop(0)
+                i, text = queue.pop()
                 start = time.perf_counter()
-                r = await client.post("/translate", json={"text": text})
+                status, body = await _post(reader, writer, json.dumps({"text": text}).encode())
                 latencies.append(time.perf_counter() - start)
-                if r.status_code == 200:
-                    outputs[i] = r.json()["translations"][0]["text"]
+                if status == 200:
+                    outputs[i] = json.loads(body)["translations"][0]["text"]
                 else:
                     errors += 1
+        finally:
+            writer.close()
 
-        start = time.perf_counter()
-        await asyncio.gather(*(one() for _ in range(concurrency)))
-        seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    await asyncio.gather(*(one() for _ in range(concurrency)))
+    seconds = time.perf_counter() - start
     latencies.sort()
     return {
         "sentences_per_s": len(sentences) / seconds,
