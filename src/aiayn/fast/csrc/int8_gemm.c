@@ -37,8 +37,8 @@
 static inline int64_t groups_of(int64_t k) { return (k + 3) / 4; }
 
 /* B (n x k, row stride ldb) into `packed`: ceil(n / 8) panels of ceil(k / 4) groups of 32
- * bytes, then each column's sum of weights as int32 (padded to whole panels; for
- * aiayn_int8_gemm_r7), native.int8_pack sizes it. */
+ * bytes, then -64 times each column's sum of weights as int32 (padded to whole panels; the
+ * starting sums of aiayn_int8_gemm_r7), native.int8_pack sizes it. */
 void aiayn_int8_pack(const int8_t *b, int64_t ldb, int64_t n, int64_t k, int8_t *packed) {
     const int64_t g = groups_of(k), panels = (n + PANEL - 1) / PANEL;
     memset(packed, 0, (size_t)(panels * g * 32 + panels * PANEL * 4));
@@ -50,7 +50,7 @@ void aiayn_int8_pack(const int8_t *b, int64_t ldb, int64_t n, int64_t k, int8_t 
             panel[(kk / 4) * 32 + kk % 4] = b[j * ldb + kk];
             sum += b[j * ldb + kk];
         }
-        sums[j] = sum;
+        sums[j] = -64 * sum;
     }
 }
 
@@ -121,11 +121,16 @@ static void gemm_plain(const int8_t *a, int64_t lda, int64_t r0, int64_t r1, int
 /* 4 rows x 16 columns (panels p0, p1), all k groups whole (k % 4 == 0): the common case,
  * written out so that the 8 accumulators stay in registers. */
 ALWAYS_INLINE void tile_4x2(const int8_t *const *ar, const int8_t *p0, const int8_t *p1,
-                            int64_t g, int32_t *c, int64_t ldc, const int nonneg) {
+                            int64_t g, int32_t *c, int64_t ldc, const int nonneg,
+                            const int32_t *init) {
     const __m256i ones = _mm256_set1_epi16(1);
     (void)ones;
-    __m256i c00 = _mm256_setzero_si256(), c01 = c00, c10 = c00, c11 = c00;
-    __m256i c20 = c00, c21 = c00, c30 = c00, c31 = c00;
+    __m256i c00 = _mm256_setzero_si256(), c01 = c00;
+    if (init) { /* the sums start from each column's own value (aiayn_int8_gemm_r7) */
+        c00 = _mm256_loadu_si256((const __m256i *)init);
+        c01 = _mm256_loadu_si256((const __m256i *)(init + 8));
+    }
+    __m256i c10 = c00, c11 = c01, c20 = c00, c21 = c01, c30 = c00, c31 = c01;
     const int8_t *a0 = ar[0], *a1 = ar[1], *a2 = ar[2], *a3 = ar[3];
     for (int64_t q = 0; q < g; q++) {
         const __m256i b0 = _mm256_loadu_si256((const __m256i *)(p0 + q * 32));
@@ -162,12 +167,16 @@ ALWAYS_INLINE void tile_4x2(const int8_t *const *ar, const int8_t *p0, const int
  * stored), a last partial k group read through group_at. */
 ALWAYS_INLINE void tile_edge(const int8_t *const *ar, int rows, const int8_t *p0,
                             const int8_t *p1, int64_t g, int64_t k, int32_t *c, int64_t ldc,
-                            int cols, const int nonneg) {
+                            int cols, const int nonneg, const int32_t *init) {
     const __m256i ones = _mm256_set1_epi16(1);
     (void)ones;
     const int64_t full = k / 4;
     for (int r = 0; r < rows; r++) {
         __m256i acc0 = _mm256_setzero_si256(), acc1 = acc0;
+        if (init) { /* init holds whole panels: 16 values even where cols < 16 */
+            acc0 = _mm256_loadu_si256((const __m256i *)init);
+            if (p1) acc1 = _mm256_loadu_si256((const __m256i *)(init + 8));
+        }
         for (int64_t q = 0; q < g; q++) {
             int32_t v;
             if (q < full)
@@ -191,7 +200,7 @@ ALWAYS_INLINE void tile_edge(const int8_t *const *ar, int rows, const int8_t *p0
 #if defined(__AVX2__)
 ALWAYS_INLINE void gemm_avx2(const int8_t *a, int64_t lda, int64_t r0, int64_t r1, int64_t k,
                              const int8_t *packed, int64_t c0, int64_t c1, int32_t *c,
-                             int64_t ldc, const int nonneg) {
+                             int64_t ldc, const int nonneg, const int32_t *init) {
     const int64_t g = groups_of(k);
     /* columns in blocks whose packed weights (16 KiB) stay in L1 while every row block
      * passes over them; the rows (M x k bytes) are read again per block, from L2 */
@@ -208,10 +217,11 @@ ALWAYS_INLINE void gemm_avx2(const int8_t *a, int64_t lda, int64_t r0, int64_t r
             const int8_t *p0 = packed + (j / PANEL) * g * 32;
             const int8_t *p1 = cols > PANEL ? p0 + g * 32 : NULL;
             int32_t *cij = c + (i - r0) * ldc + (j - c0);
+            const int32_t *start = init ? init + j : NULL;
             if (rows == 4 && cols == 2 * PANEL && k % 4 == 0)
-                tile_4x2(ar, p0, p1, g, cij, ldc, nonneg);
+                tile_4x2(ar, p0, p1, g, cij, ldc, nonneg, start);
             else
-                tile_edge(ar, rows, p0, p1, g, k, cij, ldc, cols, nonneg);
+                tile_edge(ar, rows, p0, p1, g, k, cij, ldc, cols, nonneg, start);
         }
     }
     }
@@ -225,7 +235,7 @@ void aiayn_int8_gemm(const int8_t *a, int64_t lda, int64_t r0, int64_t r1, int64
                      const int8_t *packed, int64_t c0, int64_t c1, int32_t *c, int64_t ldc) {
     if (r1 <= r0 || c1 <= c0) return;
 #if defined(__AVX2__)
-    gemm_avx2(a, lda, r0, r1, k, packed, c0, c1, c, ldc, 0);
+    gemm_avx2(a, lda, r0, r1, k, packed, c0, c1, c, ldc, 0, NULL);
 #else
     gemm_plain(a, lda, r0, r1, k, packed, c0, c1 - c0, c, ldc);
 #endif
@@ -238,7 +248,7 @@ void aiayn_int8_gemm_nonneg(const int8_t *a, int64_t lda, int64_t r0, int64_t r1
                             int64_t ldc) {
     if (r1 <= r0 || c1 <= c0) return;
 #if defined(__AVX2__)
-    gemm_avx2(a, lda, r0, r1, k, packed, c0, c1, c, ldc, 1);
+    gemm_avx2(a, lda, r0, r1, k, packed, c0, c1, c, ldc, 1, NULL);
 #else
     gemm_plain(a, lda, r0, r1, k, packed, c0, c1 - c0, c, ldc);
 #endif
@@ -261,12 +271,12 @@ void aiayn_int8_gemm_r7(const int8_t *a, int64_t lda, int64_t r0, int64_t r1, in
                         const int8_t *packed, int64_t n, int64_t c0, int64_t c1, int32_t *c,
                         int64_t ldc) {
     if (r1 <= r0 || c1 <= c0) return;
-    aiayn_int8_gemm_nonneg(a, lda, r0, r1, k, packed, c0, c1, c, ldc);
-    const int32_t *sums =
-        (const int32_t *)(packed + (n + PANEL - 1) / PANEL * groups_of(k) * 32) + c0;
-    for (int64_t i = 0; i < r1 - r0; i++) {
-        int32_t *ci = c + i * ldc;
-#pragma omp simd
-        for (int64_t j = 0; j < c1 - c0; j++) ci[j] -= 64 * sums[j];
-    }
+    const int32_t *start = (const int32_t *)(packed + (n + PANEL - 1) / PANEL * groups_of(k) * 32);
+#if defined(__AVX2__)
+    gemm_avx2(a, lda, r0, r1, k, packed, c0, c1, c, ldc, 1, start);
+#else
+    gemm_plain(a, lda, r0, r1, k, packed, c0, c1 - c0, c, ldc);
+    for (int64_t i = 0; i < r1 - r0; i++)
+        for (int64_t j = 0; j < c1 - c0; j++) c[i * ldc + j] += start[c0 + j];
+#endif
 }
