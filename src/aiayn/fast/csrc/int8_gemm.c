@@ -262,16 +262,17 @@ void aiayn_int8_gemm_plain(const int8_t *a, int64_t lda, int64_t r0, int64_t r1,
 }
 
 /* A quantized to 7 bits and stored with 64 added (aiayn_quantize_rows_r7: bytes a + 64 in
- * [1, 127] for a in [-63, 63]; B packed for n columns): c = (A - 64) x B^T exactly, as the non-negative product
- * minus 64 times each column's sum of weights (kept after the panels by aiayn_int8_pack).
- * The activations lose a bit against aiayn_int8_gemm's; the products, at the speed of
- * aiayn_int8_gemm_nonneg, stay exact (PyTorch's fbgemm quantizes activations to 7 bits on
- * x86 for the same reason: `reduce_range`). */
+ * [1, 127] for a in [-63, 63]; B packed for n columns): c = (A - 64) x B^T exactly, as the
+ * non-negative product started from -64 times each column's sum of weights (kept after
+ * the panels by aiayn_int8_pack). The activations lose a bit against aiayn_int8_gemm's;
+ * the products, at the speed of aiayn_int8_gemm_nonneg, stay exact (PyTorch's fbgemm
+ * quantizes activations to 7 bits on x86 for the same reason: `reduce_range`). */
 void aiayn_int8_gemm_r7(const int8_t *a, int64_t lda, int64_t r0, int64_t r1, int64_t k,
                         const int8_t *packed, int64_t n, int64_t c0, int64_t c1, int32_t *c,
                         int64_t ldc) {
     if (r1 <= r0 || c1 <= c0) return;
-    const int32_t *start = (const int32_t *)(packed + (n + PANEL - 1) / PANEL * groups_of(k) * 32);
+    const int64_t panels = (n + PANEL - 1) / PANEL;
+    const int32_t *start = (const int32_t *)(packed + panels * groups_of(k) * 32);
 #if defined(__AVX2__)
     gemm_avx2(a, lda, r0, r1, k, packed, c0, c1, c, ldc, 1, start);
 #else
