@@ -107,9 +107,11 @@ def test_translate_refuses_an_output_that_is_the_checkpoint(
 
 
 @pytest.mark.rows("F16")
-@pytest.mark.parametrize("case", ["missing directory", "a directory", "device foo", "no cuda"])
+@pytest.mark.parametrize(
+    "case", ["missing directory", "a directory", "device foo", "no cuda", "int8 bits"]
+)
 def test_translate_refuses_a_path_or_device_it_cannot_use(
-    run_dir: Path, source: Path, tmp_path: Path, case: str
+    run_dir: Path, source: Path, tmp_path: Path, case: str, monkeypatch
 ) -> None:
     """Before loading the model: no traceback, one line naming what is wrong."""
     args: list[str | Path] = ["--input", source, "--output", tmp_path / "hyp.de"]
@@ -121,6 +123,10 @@ def test_translate_refuses_a_path_or_device_it_cannot_use(
     elif case == "device foo":
         args += ["--device", "foo"]
         name = "foo"
+    elif case == "int8 bits":  # AIAYN_INT8_ACTIVATIONS takes 7 or 8
+        monkeypatch.setenv("AIAYN_INT8_ACTIVATIONS", "6")
+        args += ["--dtype", "int8"]
+        name = "AIAYN_INT8_ACTIVATIONS"
     else:
         if torch.cuda.is_available():
             pytest.skip("a GPU is visible here")

@@ -226,11 +226,19 @@ def _load_decoder(
             )
     if source is not None and not Path(source).exists():
         raise UsageError(f"--input {source}: no such file")
+    from aiayn.fast.inference import int8_activation_bits
+
+    try:  # a mistyped variable is named before the model loads
+        bits = int8_activation_bits()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     models, tokenizer, cfg = load_ensemble([Path(p) for p in args.checkpoint], device=args.device)
     if args.device.split(":")[0] == "cpu":  # what runs here, before the work
         from aiayn.fast import machine
 
         dtype = machine.resolve_decode_dtype(args.dtype)
+        if dtype == "int8" and bits == 7:
+            dtype += " with 7-bit activations (AIAYN_INT8_ACTIVATIONS=7)"
         log.info("%s", machine.describe())
         log.info("decoding in %s%s", dtype, " (--dtype auto)" if args.dtype == "auto" else "")
     model = as_decoder([cast_for_inference(m, args.dtype) for m in models])
