@@ -138,6 +138,8 @@ class Int8Linear(nn.Module):
     weight_int8: Tensor  # (out, in) int8
     weight_scale: Tensor  # (out,) float32
     bias: Tensor | None
+    nonneg_input = False  # class defaults too: a layer pickled before these existed
+    act_bits = 8
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
