@@ -15,8 +15,9 @@
  * Layout: B (N x K, the layer's weight) is packed once into panels of 8 rows (8 output
  * columns): panel p holds, for each group of 4 k, the 4 bytes of each of its 8 rows, 32
  * bytes (one ymm register) per group, zero-padded to whole panels and groups. A row of A
- * is read 4 bytes at a time and broadcast. The kernel takes 4 rows of A and 2 panels (16
- * columns) at a time in 8 accumulators; the plain-C path computes the same sums in int32.
+ * is read 4 bytes at a time and broadcast. The kernel takes 2 rows of A and 4 panels (32
+ * columns) at a time in 8 accumulators (a row's broadcast and |a| serve four panels: 3-5%
+ * faster than 4 rows x 2 panels on Zen 3); the plain-C path computes the same sums in int32.
  * Every product is exact, so the result does not depend on the path, the blocking or the
  * number of threads.
  *
@@ -118,49 +119,64 @@ static void gemm_plain(const int8_t *a, int64_t lda, int64_t r0, int64_t r1, int
         }                                                                   \
     } while (0)
 
-/* 4 rows x 16 columns (panels p0, p1), all k groups whole (k % 4 == 0): the common case,
- * written out so that the 8 accumulators stay in registers. */
-ALWAYS_INLINE void tile_4x2(const int8_t *const *ar, const int8_t *p0, const int8_t *p1,
-                            int64_t g, int32_t *c, int64_t ldc, const int nonneg,
-                            const int32_t *init) {
+/* 2 rows x 32 columns (panels p .. p + 3), all k groups whole (k % 4 == 0): the common
+ * case, written out so that the 8 accumulators stay in registers (with 4 weights, the
+ * row's two operands and ones: 15 of the 16). */
+ALWAYS_INLINE void tile_2x4(const int8_t *const *ar, const int8_t *p, int64_t g, int32_t *c,
+                            int64_t ldc, const int nonneg, const int32_t *init) {
     const __m256i ones = _mm256_set1_epi16(1);
     (void)ones;
-    __m256i c00 = _mm256_setzero_si256(), c01 = c00;
-    if (init) { /* the sums start from each column's own value (aiayn_int8_gemm_r7) */
+    __m256i c00 = _mm256_setzero_si256(), c01 = c00, c02 = c00, c03 = c00;
+    if (init) {
         c00 = _mm256_loadu_si256((const __m256i *)init);
         c01 = _mm256_loadu_si256((const __m256i *)(init + 8));
+        c02 = _mm256_loadu_si256((const __m256i *)(init + 16));
+        c03 = _mm256_loadu_si256((const __m256i *)(init + 24));
     }
-    __m256i c10 = c00, c11 = c01, c20 = c00, c21 = c01, c30 = c00, c31 = c01;
-    const int8_t *a0 = ar[0], *a1 = ar[1], *a2 = ar[2], *a3 = ar[3];
+    __m256i c10 = c00, c11 = c01, c12 = c02, c13 = c03;
+    const int8_t *p0 = p, *p1 = p + g * 32, *p2 = p + 2 * g * 32, *p3 = p + 3 * g * 32;
+    const int8_t *a0 = ar[0], *a1 = ar[1];
     for (int64_t q = 0; q < g; q++) {
         const __m256i b0 = _mm256_loadu_si256((const __m256i *)(p0 + q * 32));
         const __m256i b1 = _mm256_loadu_si256((const __m256i *)(p1 + q * 32));
-        int32_t v0, v1, v2, v3;
+        const __m256i b2 = _mm256_loadu_si256((const __m256i *)(p2 + q * 32));
+        const __m256i b3 = _mm256_loadu_si256((const __m256i *)(p3 + q * 32));
+        int32_t v0, v1;
         memcpy(&v0, a0 + 4 * q, 4);
         memcpy(&v1, a1 + 4 * q, 4);
-        memcpy(&v2, a2 + 4 * q, 4);
-        memcpy(&v3, a3 + 4 * q, 4);
         __m256i av = _mm256_set1_epi32(v0);
-        ROW_STEP(nonneg, c00, av, b0, ones);
-        ROW_STEP(nonneg, c01, av, b1, ones);
-        av = _mm256_set1_epi32(v1);
-        ROW_STEP(nonneg, c10, av, b0, ones);
-        ROW_STEP(nonneg, c11, av, b1, ones);
-        av = _mm256_set1_epi32(v2);
-        ROW_STEP(nonneg, c20, av, b0, ones);
-        ROW_STEP(nonneg, c21, av, b1, ones);
-        av = _mm256_set1_epi32(v3);
-        ROW_STEP(nonneg, c30, av, b0, ones);
-        ROW_STEP(nonneg, c31, av, b1, ones);
+        if (nonneg) {
+            STEPU(c00, av, av, b0, ones);
+            STEPU(c01, av, av, b1, ones);
+            STEPU(c02, av, av, b2, ones);
+            STEPU(c03, av, av, b3, ones);
+            av = _mm256_set1_epi32(v1);
+            STEPU(c10, av, av, b0, ones);
+            STEPU(c11, av, av, b1, ones);
+            STEPU(c12, av, av, b2, ones);
+            STEPU(c13, av, av, b3, ones);
+        } else {
+            __m256i au = _mm256_abs_epi8(av);
+            STEP(c00, au, av, b0, ones);
+            STEP(c01, au, av, b1, ones);
+            STEP(c02, au, av, b2, ones);
+            STEP(c03, au, av, b3, ones);
+            av = _mm256_set1_epi32(v1);
+            au = _mm256_abs_epi8(av);
+            STEP(c10, au, av, b0, ones);
+            STEP(c11, au, av, b1, ones);
+            STEP(c12, au, av, b2, ones);
+            STEP(c13, au, av, b3, ones);
+        }
     }
-    _mm256_storeu_si256((__m256i *)(c), c00);
+    _mm256_storeu_si256((__m256i *)c, c00);
     _mm256_storeu_si256((__m256i *)(c + 8), c01);
+    _mm256_storeu_si256((__m256i *)(c + 16), c02);
+    _mm256_storeu_si256((__m256i *)(c + 24), c03);
     _mm256_storeu_si256((__m256i *)(c + ldc), c10);
     _mm256_storeu_si256((__m256i *)(c + ldc + 8), c11);
-    _mm256_storeu_si256((__m256i *)(c + 2 * ldc), c20);
-    _mm256_storeu_si256((__m256i *)(c + 2 * ldc + 8), c21);
-    _mm256_storeu_si256((__m256i *)(c + 3 * ldc), c30);
-    _mm256_storeu_si256((__m256i *)(c + 3 * ldc + 8), c31);
+    _mm256_storeu_si256((__m256i *)(c + ldc + 16), c12);
+    _mm256_storeu_si256((__m256i *)(c + ldc + 24), c13);
 }
 
 /* Any tile at the edges: rows <= 4 x (one or two panels; `cols` of their 16 columns
@@ -204,24 +220,29 @@ ALWAYS_INLINE void gemm_avx2(const int8_t *a, int64_t lda, int64_t r0, int64_t r
     const int64_t g = groups_of(k);
     /* columns in blocks whose packed weights (16 KiB) stay in L1 while every row block
      * passes over them; the rows (M x k bytes) are read again per block, from L2 */
-    int64_t nb = (16384 / (g * 32 * 2 * PANEL)) * 2 * PANEL;
-    if (nb < 2 * PANEL) nb = 2 * PANEL;
+    int64_t nb = (16384 / (g * 32 * 4 * PANEL)) * 4 * PANEL;
+    if (nb < 4 * PANEL) nb = 4 * PANEL;
     for (int64_t jb = c0; jb < c1; jb += nb) {
     const int64_t jend = jb + nb < c1 ? jb + nb : c1;
-    for (int64_t i = r0; i < r1; i += 4) {
-        const int rows = (int)(r1 - i < 4 ? r1 - i : 4);
+    for (int64_t i = r0; i < r1; i += 2) {
+        const int rows = (int)(r1 - i < 2 ? r1 - i : 2);
         const int8_t *ar[4];
         for (int r = 0; r < 4; r++) ar[r] = a + (i + (r < rows ? r : 0)) * lda;
-        for (int64_t j = jb; j < jend; j += 2 * PANEL) {
-            const int cols = (int)(jend - j < 2 * PANEL ? jend - j : 2 * PANEL);
-            const int8_t *p0 = packed + (j / PANEL) * g * 32;
-            const int8_t *p1 = cols > PANEL ? p0 + g * 32 : NULL;
+        for (int64_t j = jb; j < jend; j += 4 * PANEL) {
+            const int cols = (int)(jend - j < 4 * PANEL ? jend - j : 4 * PANEL);
             int32_t *cij = c + (i - r0) * ldc + (j - c0);
-            const int32_t *start = init ? init + j : NULL;
-            if (rows == 4 && cols == 2 * PANEL && k % 4 == 0)
-                tile_4x2(ar, p0, p1, g, cij, ldc, nonneg, start);
-            else
-                tile_edge(ar, rows, p0, p1, g, k, cij, ldc, cols, nonneg, start);
+            if (rows == 2 && cols == 4 * PANEL && k % 4 == 0) {
+                tile_2x4(ar, packed + (j / PANEL) * g * 32, g, cij, ldc, nonneg,
+                         init ? init + j : NULL);
+                continue;
+            }
+            for (int64_t h = j; h < j + cols; h += 2 * PANEL) { /* the edges, 16 at a time */
+                const int hc = (int)(j + cols - h < 2 * PANEL ? j + cols - h : 2 * PANEL);
+                const int8_t *p0 = packed + (h / PANEL) * g * 32;
+                const int8_t *p1 = hc > PANEL ? p0 + g * 32 : NULL;
+                tile_edge(ar, rows, p0, p1, g, k, cij + (h - j), ldc, hc, nonneg,
+                          init ? init + h : NULL);
+            }
         }
     }
     }
