@@ -1,5 +1,6 @@
-/* How many vector operations an exact int8 product needs on an AVX2-only CPU: the tile of
- * csrc/int8_gemm.c (4 rows x 16 columns, k in groups of 4) in five variants, timed alone.
+/* How many vector operations an exact int8 product needs on an AVX2-only CPU: the tile
+ * csrc/int8_gemm.c had (4 rows x 16 columns, k in groups of 4; 2 x 32 since) in five
+ * variants, timed alone.
  *
  *     cc -O3 -mavx2 -mfma -o /tmp/int8_variants benchmarks/int8_variants.c
  *     for v in 0 1 2 3 4; do /tmp/int8_variants 256 8000 $v; done   # K N variant
