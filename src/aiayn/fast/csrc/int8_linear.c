@@ -10,10 +10,12 @@
 #include <math.h>
 #include <stdint.h>
 
-/* Rows [r0, r1) of x (row stride ld, k columns) to int8: q = rint(x * 127 / max|x|),
- * scale = max|x| / 127 (0 and an all-zero row where the row is all zero). */
-void aiayn_quantize_rows(const float *x, int64_t ld, int64_t r0, int64_t r1, int64_t k,
-                         int8_t *q, float *scale) {
+/* Rows [r0, r1) of x (row stride ld, k columns) to int8 with `top` steps a side:
+ * q = offset + rint(x * top / max|x|), scale = max|x| / top (0 and an all-zero row, q =
+ * offset, where the row is all zero). Inlined with constants into the two below. */
+static inline __attribute__((always_inline)) void quantize_rows(
+    const float *x, int64_t ld, int64_t r0, int64_t r1, int64_t k, int8_t *q, float *scale,
+    const float top, const int offset) {
     for (int64_t r = r0; r < r1; r++) {
         const float *row = x + r * ld;
         float m = 0.0f;
@@ -22,35 +24,26 @@ void aiayn_quantize_rows(const float *x, int64_t ld, int64_t r0, int64_t r1, int
             const float a = fabsf(row[j]);  /* not fmaxf: gcc called it per element */
             m = a > m ? a : m;
         }
-        const float inv = m > 0.0f ? 127.0f / m : 0.0f;
-        scale[r] = m / 127.0f;
+        const float inv = m > 0.0f ? top / m : 0.0f;
+        scale[r] = m / top;
         int8_t *out = q + r * k;
 #pragma omp simd
         for (int64_t j = 0; j < k; j++)
-            out[j] = (int8_t)rintf(row[j] * inv);
+            out[j] = (int8_t)(offset + (int)rintf(row[j] * inv));
     }
 }
 
-/* The same rows to 7 bits for aiayn_int8_gemm_r7: a = rint(x * 63 / max|x|) in [-63, 63],
- * stored as a + 64 (in [1, 127]: non-negative, so the products move no signs),
- * scale = max|x| / 63. */
+/* 8 bits: q = rint(x * 127 / max|x|), scale = max|x| / 127. */
+void aiayn_quantize_rows(const float *x, int64_t ld, int64_t r0, int64_t r1, int64_t k,
+                         int8_t *q, float *scale) {
+    quantize_rows(x, ld, r0, r1, k, q, scale, 127.0f, 0);
+}
+
+/* 7 bits for aiayn_int8_gemm_r7: a = rint(x * 63 / max|x|) in [-63, 63], stored as a + 64
+ * (in [1, 127]: non-negative, so the products move no signs), scale = max|x| / 63. */
 void aiayn_quantize_rows_r7(const float *x, int64_t ld, int64_t r0, int64_t r1, int64_t k,
                             int8_t *q, float *scale) {
-    for (int64_t r = r0; r < r1; r++) {
-        const float *row = x + r * ld;
-        float m = 0.0f;
-#pragma omp simd reduction(max : m)
-        for (int64_t j = 0; j < k; j++) {
-            const float a = fabsf(row[j]);
-            m = a > m ? a : m;
-        }
-        const float inv = m > 0.0f ? 63.0f / m : 0.0f;
-        scale[r] = m / 63.0f;
-        int8_t *out = q + r * k;
-#pragma omp simd
-        for (int64_t j = 0; j < k; j++)
-            out[j] = (int8_t)(64 + (int)rintf(row[j] * inv));
-    }
+    quantize_rows(x, ld, r0, r1, k, q, scale, 63.0f, 64);
 }
 
 /* Rows [r0, r1) of the (rows, n) int32 products, in place to float32:
