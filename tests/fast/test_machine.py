@@ -32,7 +32,7 @@ RATES = {
     "amx": Rates(380.0, 2400.0, 150.0, 420.0, 380.0, threads=2),
     "avx512_bf16": Rates(90.0, 400.0, 124.0, 273.0, 348.0, threads=2),
     "avx512": Rates(180.0, 75.0, 130.0, 60.0, 300.0, threads=2),
-    "avx2": Rates(170.0, 2.2, 168.0, 2.0, 252.0, threads=2),
+    "avx2": Rates(170.0, 2.2, 168.0, 2.0, 252.0, threads=2, int8_backend="aiayn"),
     "portable": Rates(20.0, 1.0, 40.0, 2.0, 30.0, threads=2),
 }
 
@@ -82,14 +82,15 @@ def test_choices_for_every_class(cls: str) -> None:
     """bf16 trains where the CPU multiplies it natively; decoding takes the fastest
     precision the probe measured; the kernels' instruction set follows the class."""
     choice = machine.choose(cls, RATES[cls])
-    train, decode, kernels = {
-        "amx": ("bf16", "bf16", "avx512"),
-        "avx512_bf16": ("bf16", "int8", "avx512"),
-        "avx512": ("fp32", "int8", "avx512"),
-        "avx2": ("fp32", "int8", "avx2"),
-        "portable": ("fp32", "fp32", "portable"),
+    train, decode, kernels, bits = {
+        "amx": ("bf16", "bf16", "avx512", 8),
+        "avx512_bf16": ("bf16", "int8", "avx512", 8),
+        "avx512": ("fp32", "int8", "avx512", 8),
+        "avx2": ("fp32", "int8", "avx2", 7),  # aiayn's kernel: 7-bit inputs move no signs
+        "portable": ("fp32", "fp32", "portable", 8),
     }[cls]
     assert (choice.train_dtype, choice.decode_dtype, choice.kernels) == (train, decode, kernels)
+    assert choice.int8_bits == bits
     assert choice.cpu_class == cls and "train" in choice.reasons
     assert json.loads(json.dumps(choice.to_dict()))["rates"]["train_fp32"] == RATES[cls].train_fp32
 
@@ -108,6 +109,23 @@ def test_a_lower_precision_must_gain_and_int8_must_not_have_fallen_back() -> Non
     assert machine.choose("avx512_bf16", odd).train_dtype == "fp32"
     # bf16 that would be emulated never trains by default, however the probe came out
     assert machine.choose("avx2", Rates(1.0, 5.0, 1.0, 5.0, 1.0, threads=2)).train_dtype == "fp32"
+
+
+def test_auto_int8_takes_7_bit_activations_only_where_aiayns_simd_kernel_multiplies() -> None:
+    """7 bits where the products run aiayn's AVX2 kernel (no VNNI: sign-free, ~1.4x);
+    8 where PyTorch's VNNI products run them, on the plain-C kernel (7 bits gain nothing
+    there), and where auto does not decode in int8."""
+    avx2 = RATES["avx2"]
+    assert machine.choose("avx2", avx2).int8_bits == 7
+    assert "VNNI" in machine.choose("avx2", avx2).reasons["int8_bits"]
+    no_vnni = Rates(**{**RATES["avx512"].__dict__, "int8_backend": "aiayn"})  # Skylake-SP
+    assert machine.choose("avx512", no_vnni).int8_bits == 7
+    assert machine.choose("avx512", RATES["avx512"]).int8_bits == 8  # VNNI: PyTorch's
+    plain = Rates(20.0, 1.0, 40.0, 2.0, 300.0, threads=2, int8_backend="aiayn")
+    assert machine.choose("portable", plain).decode_dtype == "int8"
+    assert machine.choose("portable", plain).int8_bits == 8
+    fp32 = Rates(**{**avx2.__dict__, "decode_int8": avx2.decode_fp32})
+    assert machine.choose("avx2", fp32).int8_bits == 8
 
 
 @pytest.fixture
@@ -163,6 +181,36 @@ def test_a_bf16_checkpoint_decodes_in_the_machines_precision(on_class) -> None: 
     model = machine.cast_for_inference(model, "auto")
     assert isinstance(model.generator, Int8Linear)
     assert next(model.parameters()).dtype == torch.float32
+
+
+def test_auto_and_explicit_int8_quantize_activations_to_their_bits(on_class, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """`--dtype auto` takes the machine's bits (7 on AVX2 without VNNI), an explicit int8
+    8 (the same outputs on every CPU), AIAYN_INT8_ACTIVATIONS either; the FFN's second
+    layer (a ReLU's input) keeps 8 in all of them."""
+    from aiayn.config import ModelConfig
+    from aiayn.fast.inference import Int8Linear
+    from aiayn.model import Transformer
+
+    cfg = ModelConfig(N=1, d_model=32, h=2, d_k=16, d_v=16, d_ff=64, vocab_size=40, P_drop=0.0)
+
+    def bits(dtype: str) -> set[int]:
+        model = machine.cast_for_inference(Transformer(cfg).eval(), dtype)
+        layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
+        assert layers and not any(m._r7 for m in layers if m.nonneg_input)
+        return {7 if m._r7 else 8 for m in layers if not m.nonneg_input}
+
+    monkeypatch.delenv("AIAYN_INT8_ACTIVATIONS", raising=False)
+    on_class("avx2")
+    assert bits("auto") == {7} and bits("int8") == {8}
+    assert "decode int8 (7-bit activations)" in machine.describe()
+    monkeypatch.setenv("AIAYN_INT8_ACTIVATIONS", "8")
+    assert bits("auto") == {8}
+    monkeypatch.setenv("AIAYN_INT8_ACTIVATIONS", "7")
+    assert bits("int8") == {7}
+    monkeypatch.delenv("AIAYN_INT8_ACTIVATIONS")
+    on_class("avx512_bf16")  # VNNI: PyTorch's exact products, 8 bits
+    assert bits("auto") == {8}
+    assert "7-bit" not in machine.describe()
 
 
 def test_the_probe_is_cached_per_machine_and_a_damaged_cache_is_measured_again(

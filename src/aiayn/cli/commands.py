@@ -229,7 +229,7 @@ def _load_decoder(
     from aiayn.fast.inference import int8_activation_bits
 
     try:  # a mistyped variable is named before the model loads
-        bits = int8_activation_bits()
+        int8_activation_bits()
     except ValueError as e:
         raise UsageError(str(e)) from None
     models, tokenizer, cfg = load_ensemble([Path(p) for p in args.checkpoint], device=args.device)
@@ -237,8 +237,10 @@ def _load_decoder(
         from aiayn.fast import machine
 
         dtype = machine.resolve_decode_dtype(args.dtype)
-        if dtype == "int8" and bits == 7:
-            dtype += " with 7-bit activations (AIAYN_INT8_ACTIVATIONS=7)"
+        if dtype == "int8" and machine.int8_bits(args.dtype) == 7:
+            env = os.environ.get("AIAYN_INT8_ACTIVATIONS")
+            why = "AIAYN_INT8_ACTIVATIONS=7" if env else "auto: no VNNI"
+            dtype += f" with 7-bit activations ({why})"
         log.info("%s", machine.describe())
         log.info("decoding in %s%s", dtype, " (--dtype auto)" if args.dtype == "auto" else "")
     model = as_decoder([cast_for_inference(m, args.dtype) for m in models])

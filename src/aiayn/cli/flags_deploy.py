@@ -128,8 +128,8 @@ examples:
         "--dtype",
         default="auto",
         choices=["auto", "fp32", "bf16", "int8"],
-        help="inference precision, as for translate (auto: this machine's fastest; "
-        "int8 with AIAYN_INT8_ACTIVATIONS=7: 7-bit inputs, faster without VNNI)",
+        help="inference precision, as for translate (auto: this machine's fastest, its "
+        "int8 with 7-bit inputs without VNNI; AIAYN_INT8_ACTIVATIONS=7|8 sets the bits)",
     )
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ...")
     p.add_argument(

@@ -113,10 +113,10 @@ examples:
         default="auto",
         choices=["auto", "fp32", "bf16", "int8"],
         help="inference precision: auto (the default) is the one this machine decodes "
-        "fastest in, measured once and cached (`aiayn info` shows it), whatever the "
-        "checkpoint trained in; bf16: weights and activations, oneDNN-packed (fast with "
-        "AMX or AVX-512 BF16, emulated elsewhere); int8: dynamic quantization, CPU "
-        "(AIAYN_INT8_ACTIVATIONS=7: inputs to 7 bits, ~1.4x faster products without VNNI)",
+        "fastest in, measured once and cached (`aiayn info`), whatever the checkpoint "
+        "trained in (its int8 with 7-bit inputs without VNNI: ~1.4x faster products); bf16: "
+        "weights and activations, oneDNN-packed (fast with AMX or AVX-512 BF16); int8: "
+        "dynamic quantization, CPU, 8-bit inputs (AIAYN_INT8_ACTIVATIONS=7|8 sets the bits)",
     )
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ...")
     p.add_argument(

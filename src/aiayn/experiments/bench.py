@@ -269,7 +269,7 @@ def bench_decode(
     """
     from aiayn.decoding.search import beam_search, greedy_search
     from aiayn.decoding.workers import check_workers, map_batches
-    from aiayn.fast.machine import cast_for_inference, resolve_decode_dtype
+    from aiayn.fast.machine import cast_for_inference, int8_bits, resolve_decode_dtype
 
     check_workers(workers, device)
     requested, dtype = dtype, resolve_decode_dtype(dtype, device)  # auto: translate's choice
@@ -279,7 +279,7 @@ def bench_decode(
         raise ValueError(f"dtype must be one of {', '.join(DECODE_DTYPES)}, got {dtype!r}")
     p = matmul_peak(DTYPES[dtype], device=device) if peak else None
     model = random_model(preset, vocab).to(dev).eval()
-    model = cast_for_inference(model, dtype)
+    model = cast_for_inference(model, requested if requested == "auto" else dtype)
     src = random_batch(sentences, vocab, seed=3).to(dev)
 
     starts = range(0, sentences, batch)
@@ -321,6 +321,8 @@ def bench_decode(
         "preset": preset,
         "dtype": dtype,
         "dtype_requested": requested,
+        # int8: its activations' bits (auto's are 7 on CPUs without VNNI, `machine.int8_bits`)
+        "int8_bits": int8_bits(requested) if dtype == "int8" else None,
         "device": device,
         "beam": beam,
         "alpha": alpha,

@@ -64,6 +64,7 @@ def cpu_kernels() -> dict[str, Any]:
         "cpu_class_held_by_environment": c.cap is not None,
         "auto_train_dtype": choice.train_dtype,
         "auto_decode_dtype": choice.decode_dtype,
+        "auto_int8_bits": choice.int8_bits,
         "kernels_isa": choice.kernels,
         "probe": None if choice.rates is None else asdict(choice.rates),
     }

@@ -72,11 +72,13 @@ class PackedLinear(nn.Module):
         )
 
 
-def int8_activation_bits() -> int:
-    """The bits int8 layers quantize their inputs to: 8 (exact to the int8 grid), or 7 with
-    AIAYN_INT8_ACTIVATIONS=7 (aiayn's kernel then multiplies ~1.4x faster on CPUs without
-    VNNI; what PyTorch's fbgemm does on x86, its `reduce_range`)."""
-    value = os.environ.get("AIAYN_INT8_ACTIVATIONS", "8") or "8"
+def int8_activation_bits(default: int = 8) -> int:
+    """The bits int8 layers quantize their inputs to: AIAYN_INT8_ACTIVATIONS where set (7 or
+    8), else `default` (8, exact to the int8 grid, for an explicit int8; `--dtype auto`
+    passes its machine's choice, `machine.Choice.int8_bits`: 7 where aiayn's kernel
+    multiplies 7-bit inputs ~1.4x faster, CPUs without VNNI; what PyTorch's fbgemm does on
+    x86, its `reduce_range`)."""
+    value = os.environ.get("AIAYN_INT8_ACTIVATIONS", "") or str(default)
     if value not in ("7", "8"):
         raise ValueError(f"AIAYN_INT8_ACTIVATIONS must be 7 or 8, got {value!r}")
     return int(value)
@@ -130,11 +132,11 @@ def pack_linears(model: nn.Module) -> nn.Module:
     return model
 
 
-def cast(model: Transformer, dtype: str) -> Transformer:
+def cast(model: Transformer, dtype: str, act_bits: int | None = None) -> Transformer:
     """The model in a concrete inference precision ("fp32", "bf16" or "int8"; see
     `machine.cast_for_inference`, which also resolves "auto" and warns): the fast model
     (`aiayn.fast.accelerate`), no gradients, bf16 weights packed for oneDNN where it
-    packs, int8 layers (`Int8Linear`, CPU only)."""
+    packs, int8 layers (`Int8Linear`, CPU only; `act_bits` as for `quantize_linears`)."""
     model = accelerate(model)
     model.requires_grad_(False)
     if dtype == "bf16":
@@ -149,5 +151,5 @@ def cast(model: Transformer, dtype: str) -> Transformer:
                 f"dtype int8 (dynamic quantization) runs on the CPU only, not on "
                 f"{device}: use bf16 there"
             )
-        quantize_linears(model)
+        quantize_linears(model, act_bits)
     return model

@@ -65,6 +65,7 @@ __all__ = [
     "Rates",
     "best",
     "cast_for_inference",
+    "int8_bits",
     "choose",
     "classify",
     "cpu",
@@ -146,7 +147,7 @@ def _probe_search(dtype: str) -> Callable[[], None]:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = Transformer(ModelConfig(**PROBE_MODEL, vocab_size=PROBE_VOCAB)).eval()  # type: ignore[arg-type]
-    model = cast(model, dtype)
+    model = cast(model, dtype, 8 if dtype == "int8" else None)  # not the environment's
     assert isinstance(model, FastTransformer)  # `cast` plugs the speed paths in
     src = torch.randint(4, PROBE_VOCAB, (PROBE_SENTENCES, 14), generator=gen)
     rows = PROBE_SENTENCES * PROBE_BEAM
@@ -291,6 +292,9 @@ class Choice:
     kernels: str  # the compiled kernels' instruction set: avx512, avx2 or portable
     reasons: dict[str, str] = field(default_factory=dict)
     rates: Rates | None = None
+    #: bits of an auto int8 model's activations (`inference.int8_activation_bits`): 7 where
+    #: aiayn's kernel multiplies them (no VNNI), 8 elsewhere
+    int8_bits: int = 8
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -333,7 +337,15 @@ def choose(cls: str, rates: Rates) -> Choice:
         + ", ".join(f"{d} {rates.decode(d):.0f}" for d in ("fp32", "bf16", "int8"))
         + " sentences/s"
     )
-    return Choice(cls, train, decode, kernel_isa(cls), reasons, rates)
+    kernels, int8_bits = kernel_isa(cls), 8
+    if decode == "int8" and rates.int8_backend == "aiayn" and kernels != "portable":
+        int8_bits = 7
+        reasons["int8_bits"] = (
+            "7-bit activations: without VNNI aiayn's SIMD kernel multiplies them without "
+            "moving signs, ~1.4x the products a second; their cost in BLEU and F1 was not "
+            "measurable (docs/performance.md)"
+        )
+    return Choice(cls, train, decode, kernels, reasons, rates, int8_bits)
 
 
 @functools.cache
@@ -356,6 +368,16 @@ def resolve_decode_dtype(dtype: str, device: torch.device | str = "cpu") -> str:
     return best().decode_dtype
 
 
+def int8_bits(dtype: str) -> int:
+    """The bits of an int8 model's activations for a requested `dtype`:
+    AIAYN_INT8_ACTIVATIONS where set, else this machine's choice for "auto"
+    (`Choice.int8_bits`) and 8 for an explicit "int8" (exact to the int8 grid, the same
+    outputs on every CPU). ValueError on a mistyped variable."""
+    from aiayn.fast.inference import int8_activation_bits
+
+    return int8_activation_bits(best().int8_bits if dtype == "auto" else 8)
+
+
 def describe(choice: Choice | None = None, c: Cpu | None = None) -> str:
     """One line naming the CPU, its class, the defaults chosen and the measured rates:
     the first line of train, translate and serve, and in `aiayn info`."""
@@ -371,9 +393,11 @@ def describe(choice: Choice | None = None, c: Cpu | None = None) -> str:
         else ""
     )
     held = f" (held to it by {ISA_VARIABLE} or ONEDNN_MAX_CPU_ISA)" if c.cap else ""
+    bits = " (7-bit activations)" if choice.decode_dtype == "int8" and choice.int8_bits == 7 else ""
     return (
         f"CPU {c.model}: class {choice.cpu_class}{held}; auto dtype: train "
-        f"{choice.train_dtype}, decode {choice.decode_dtype}; C kernels {choice.kernels}{rates}"
+        f"{choice.train_dtype}, decode {choice.decode_dtype}{bits}; C kernels "
+        f"{choice.kernels}{rates}"
     )
 
 
@@ -449,6 +473,7 @@ def cast_for_inference(model: Transformer, dtype: str) -> Transformer:
     if dtype not in INFERENCE_DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(INFERENCE_DTYPES)}, got {dtype!r}")
     device = next(model.parameters()).device
+    requested = dtype
     if dtype == "auto":
         dtype = resolve_decode_dtype("auto", device)
         model.float()  # a checkpoint's parameters may be bf16: start from float32
@@ -460,4 +485,4 @@ def cast_for_inference(model: Transformer, dtype: str) -> Transformer:
         warning = slow_bf16_warning(device)
         if warning:
             logger.warning(warning)
-    return cast(model, dtype)
+    return cast(model, dtype, int8_bits(requested) if dtype == "int8" else None)
