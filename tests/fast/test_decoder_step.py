@@ -4,7 +4,9 @@ same searches, for float32 and int8, post- and pre-norm."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
@@ -12,7 +14,7 @@ import torch
 
 from aiayn.config import EOS_ID, PAD_ID, ModelConfig
 from aiayn.decoding.search import beam_search, greedy_search
-from aiayn.fast import accelerate, native
+from aiayn.fast import accelerate, int8_ops, native
 from aiayn.fast.decoder_step import MAX_SENTENCES, NativeStates, plan_for
 from aiayn.fast.inference import Int8Linear, cast
 from aiayn.model import Transformer
@@ -176,6 +178,16 @@ def test_a_sentence_alone_steps_as_in_a_batch(dtype: str, monkeypatch) -> None:
             assert all(torch.equal(a[0], b[i]) for a, b in zip(alone, together, strict=True))
 
 
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_where_the_one_call_step_applies(monkeypatch) -> None:
     monkeypatch.delenv("AIAYN_NATIVE_STEP", raising=False)
     paper, fast = models()
@@ -184,6 +196,13 @@ def test_where_the_one_call_step_applies(monkeypatch) -> None:
         assert plan_for(fast, MAX_SENTENCES + 1) is None  # large float32 batches: MKL's
         _, int8 = models("int8")
         assert plan_for(int8, MAX_SENTENCES + 1) is not None  # int8 on one thread: always
+        with torch_threads(2):  # on two: where aiayn's kernel multiplies (no VNNI)
+            monkeypatch.setattr(int8_ops, "backend", lambda: "aiayn")
+            assert plan_for(int8, MAX_SENTENCES + 1) is not None
+            assert plan_for(fast, MAX_SENTENCES + 1) is None
+            monkeypatch.setattr(int8_ops, "backend", lambda: "torch")  # PyTorch's VNNI
+            assert plan_for(int8, MAX_SENTENCES + 1) is None
+            assert plan_for(int8, MAX_SENTENCES) is not None
         memory, _ = fast.encode(sources(n=1))
         assert isinstance(fast.init_state(memory, 4), NativeStates)
         assert not isinstance(paper.init_state(memory, 4), NativeStates)  # the paper's own

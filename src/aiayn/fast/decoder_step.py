@@ -15,7 +15,9 @@ decoding step is its own): the fast model (`aiayn.fast.accelerate`) in float32 o
 int8 (`inference.Int8Linear`, any mix of the two per layer) on the CPU, without
 gradients, forward hooks (someone watching the modules: attention pictures) or an
 overridden decoding step; bf16 models take the PyTorch path. Which batches: every batch
-of an int8 model on one thread (a server's or `translate --workers`' processes); up to
+of an int8 model on one thread (a server's or `translate --workers`' processes) or where
+aiayn's kernel computes the int8 products (`int8_ops.backend()`: CPUs without VNNI, where
+the one-thread call beat the per-layer path on two threads: docs/performance.md); up to
 `MAX_SENTENCES` sentences a search otherwise, larger batches being faster through MKL's
 float32 products and oneDNN's second thread (the per-layer path).
 The encoder (`encode`, from `FastTransformer.encode`) and the encoder-decoder keys and
@@ -47,7 +49,7 @@ from torch import Tensor, nn
 
 from aiayn.config import BOS_ID, EOS_ID
 from aiayn.decoding.search import NEVER_GENERATED, Hypothesis, excluded
-from aiayn.fast import native
+from aiayn.fast import int8_ops, native
 from aiayn.fast.int8_ops import LSE_TOPK_BLOCK_BYTES, Int8Linear
 
 #: Sentences a search up to which the compiled step is used by default (measured:
@@ -358,9 +360,12 @@ def plan_for(model: Any, sentences: int) -> DecoderPlan | None:
         model.__dict__["_decoder_plan"] = (key, plan)  # not a submodule or buffer
     if plan is None or choice == "1" or sentences <= MAX_SENTENCES:
         return plan
-    # a large batch: int8 on one thread is still faster in one call; float32 products and
-    # a second thread are faster through MKL and oneDNN (the per-layer path)
-    return plan if plan.int8 and torch.get_num_threads() == 1 else None
+    # a large batch: int8 is faster in one call on one thread, and on any number where
+    # aiayn's kernel multiplies (no VNNI: its per-layer products on two threads lost to the
+    # one-thread call); float32 products and a second thread, and PyTorch's VNNI int8
+    # products, are faster through MKL and oneDNN (the per-layer path)
+    one_call = torch.get_num_threads() == 1 or int8_ops.backend() == "aiayn"
+    return plan if plan.int8 and one_call else None
 
 
 class NativeStates:
