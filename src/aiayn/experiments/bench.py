@@ -279,7 +279,7 @@ def bench_decode(
         raise ValueError(f"dtype must be one of {', '.join(DECODE_DTYPES)}, got {dtype!r}")
     p = matmul_peak(DTYPES[dtype], device=device) if peak else None
     model = random_model(preset, vocab).to(dev).eval()
-    model = cast_for_inference(model, requested if requested == "auto" else dtype)
+    model = cast_for_inference(model, requested)  # auto resolves as `dtype` did, with its bits
     src = random_batch(sentences, vocab, seed=3).to(dev)
 
     starts = range(0, sentences, batch)

@@ -179,7 +179,7 @@ ALWAYS_INLINE void tile_2x4(const int8_t *const *ar, const int8_t *p, int64_t g,
     _mm256_storeu_si256((__m256i *)(c + ldc + 24), c13);
 }
 
-/* Any tile at the edges: rows <= 4 x (one or two panels; `cols` of their 16 columns
+/* Any tile at the edges: rows <= 2 x (one or two panels; `cols` of their 16 columns
  * stored), a last partial k group read through group_at. */
 ALWAYS_INLINE void tile_edge(const int8_t *const *ar, int rows, const int8_t *p0,
                             const int8_t *p1, int64_t g, int64_t k, int32_t *c, int64_t ldc,
@@ -226,8 +226,8 @@ ALWAYS_INLINE void gemm_avx2(const int8_t *a, int64_t lda, int64_t r0, int64_t r
     const int64_t jend = jb + nb < c1 ? jb + nb : c1;
     for (int64_t i = r0; i < r1; i += 2) {
         const int rows = (int)(r1 - i < 2 ? r1 - i : 2);
-        const int8_t *ar[4];
-        for (int r = 0; r < 4; r++) ar[r] = a + (i + (r < rows ? r : 0)) * lda;
+        const int8_t *ar[2];
+        for (int r = 0; r < 2; r++) ar[r] = a + (i + (r < rows ? r : 0)) * lda;
         for (int64_t j = jb; j < jend; j += 4 * PANEL) {
             const int cols = (int)(jend - j < 4 * PANEL ? jend - j : 4 * PANEL);
             int32_t *cij = c + (i - r0) * ldc + (j - c0);
