@@ -283,6 +283,31 @@ def test_several_checkpoints_translate_as_an_ensemble(pipeline: Pipeline) -> Non
     assert len(lines) == len(pipeline.output) and lines[EMPTY_AT] == ""
 
 
+@needs_multi30k
+def test_workers_default_to_one_process_a_core_with_the_same_outputs(
+    pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """translate's default `--workers auto` decodes in one forked one-thread process a core
+    (two here, whatever this machine has), says so, and writes what one process writes."""
+    from aiayn.decoding import workers
+
+    monkeypatch.setattr(workers, "default_workers", lambda device="cpu": 2)
+    src = pipeline.root / "source.en"
+    outs = {}
+    for flags in ((), ("--workers", "1")):
+        out = pipeline.root / f"workers{len(flags)}.de"
+        with caplog.at_level("INFO", logger="aiayn"):
+            caplog.clear()
+            # --max-tokens 40: several batches, so that both processes decode
+            ok("translate", "--checkpoint", pipeline.averaged, "--input", src, "--output", out,
+               "--max-tokens", "40", *flags)  # fmt: skip
+        outs[flags] = out.read_text(encoding="utf-8")
+        auto = "in up to 2 worker processes of one thread (--workers auto)"
+        assert (auto in caplog.text) == (not flags), caplog.text
+    assert outs[()] == outs[("--workers", "1")]
+    assert outs[()].split("\n")[:EMPTY_AT] == pipeline.output[:EMPTY_AT]  # real decodes
+
+
 @pytest.mark.rows("H2")
 @needs_multi30k
 def test_evaluate_json_has_bleu_with_signature(pipeline: Pipeline) -> None:

@@ -11,7 +11,8 @@ from concurrent.futures.process import BrokenProcessPool
 import pytest
 import torch
 
-from aiayn.decoding.workers import check_workers, map_batches
+from aiayn.decoding import workers as workers_module
+from aiayn.decoding.workers import check_workers, map_batches, resolve_workers
 
 
 def _square_with_threads(i: int) -> tuple[int, int, int]:
@@ -132,3 +133,30 @@ def test_a_server_that_froze_for_its_workers_is_not_asked_again(monkeypatch) -> 
         assert gc.get_freeze_count() > 1000  # still frozen
     finally:
         gc.unfreeze()
+
+
+def test_auto_is_one_process_per_cpu_thread_and_one_on_a_gpu(monkeypatch) -> None:
+    """`--workers auto`: one forked process per thread PyTorch uses on the CPU (its default is
+    the physical cores, or OMP_NUM_THREADS); one on a GPU, or where nothing can be forked."""
+    assert resolve_workers("auto") == torch.get_num_threads()
+    monkeypatch.setattr(workers_module.torch, "get_num_threads", lambda: 6)
+    assert resolve_workers("auto", "cpu") == 6
+    assert resolve_workers("auto", torch.device("cpu")) == 6
+    assert resolve_workers("auto", "cuda:1") == 1
+    assert resolve_workers(3, "cpu") == 3  # a count is kept as given
+    with pytest.raises(ValueError, match="'auto'"):
+        resolve_workers("all")
+    monkeypatch.setattr(workers_module.mp, "get_all_start_methods", lambda: ["spawn"])
+    assert resolve_workers("auto", "cpu") == 1
+
+
+def test_the_workers_flag_takes_a_count_or_auto() -> None:
+    from argparse import ArgumentTypeError
+
+    from aiayn.cli.flags_generate import workers_count
+
+    assert (workers_count("auto"), workers_count("3")) == ("auto", 3)
+    with pytest.raises(ArgumentTypeError, match="'many' is neither a count nor auto"):
+        workers_count("many")
+    with pytest.raises(ArgumentTypeError, match=">= 1"):
+        workers_count("0")

@@ -211,13 +211,18 @@ def _load_decoder(
     args: argparse.Namespace, outputs: tuple[str, ...], extra: dict[str, Any]
 ) -> tuple[Any, Any, Config]:
     """translate's, parse's and serve's common start: check the device, the output flags named in
-    `outputs` and --input before loading anything; load the checkpoints as one decoder in
-    --dtype; the config with the decoding flags given (and `extra`) applied."""
+    `outputs` and --input before loading anything (--workers auto becomes a count); load the
+    checkpoints as one decoder in --dtype; the config with the decoding flags given (and
+    `extra`) applied."""
     from aiayn.checkpoints import load_ensemble
     from aiayn.decoding.ensemble import as_decoder
     from aiayn.fast.machine import cast_for_inference
 
     check_device(args.device)
+    from aiayn.decoding.workers import resolve_workers
+
+    given_workers = " (--workers auto)" if args.workers == "auto" else ""
+    args.workers = resolve_workers(args.workers, args.device)
     source = getattr(args, "input", None)  # serve has none
     for flag in outputs:
         if getattr(args, flag) is not None:
@@ -242,7 +247,10 @@ def _load_decoder(
             why = "AIAYN_INT8_ACTIVATIONS=7" if env else "auto: no VNNI"
             dtype += f" with 7-bit activations ({why})"
         log.info("%s", machine.describe())
-        log.info("decoding in %s%s", dtype, " (--dtype auto)" if args.dtype == "auto" else "")
+        auto = " (--dtype auto)" if args.dtype == "auto" else ""
+        n = args.workers
+        where = f"up to {n} worker processes of one thread" if n > 1 else "this process"
+        log.info("decoding in %s%s, in %s%s", dtype, auto, where, given_workers)
     model = as_decoder([cast_for_inference(m, args.dtype) for m in models])
     overrides = {
         f"decode.{flag}": getattr(args, flag)

@@ -16,8 +16,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """`aiayn serve`: load (and check) the checkpoints, then answer HTTP until SIGTERM."""
     from aiayn.deploy.server import AiaynBackend, ServerLimits, create_app, serve
 
-    if args.workers < 1:
-        raise UsageError(f"--workers must be >= 1, got {args.workers}")
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port {args.port}: a TCP port is 0..65535")
     limits = ServerLimits(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from aiayn.cli.flags_generate import add_workers_flag
 from aiayn.cli.formatting import command_parser
 
 #: CTranslate2's weight types (aiayn.deploy.export.CT2_QUANTIZATIONS; listed here so that
@@ -132,12 +133,9 @@ examples:
         "int8 with 7-bit inputs without VNNI; AIAYN_INT8_ACTIVATIONS=7|8 sets the bits)",
     )
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ...")
-    p.add_argument(
-        "--workers",
-        type=int,
-        default=1,
-        metavar="K",
-        help="batches decoded at once: on the CPU each in a forked process of one thread (as "
+    add_workers_flag(
+        p,
+        "batches decoded at once: on the CPU each in a forked process of one thread (as "
         "`translate --workers`), on a GPU each in a thread",
     )
     p.add_argument(

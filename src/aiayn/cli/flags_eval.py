@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from aiayn.cli.flags_generate import add_sampling_flags
+from aiayn.cli.flags_generate import add_sampling_flags, add_workers_flag
 from aiayn.cli.formatting import BASE, add_config_args, command_parser, preset_help
 from aiayn.config import DecodeConfig
 
@@ -119,14 +119,11 @@ examples:
         "dynamic quantization, CPU, 8-bit inputs (AIAYN_INT8_ACTIVATIONS=7|8 sets the bits)",
     )
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ...")
-    p.add_argument(
-        "--workers",
-        type=int,
-        default=1,
-        metavar="N",
-        help="CPU: decode whole batches in this many forked processes of one "
-        "thread each, the same outputs (e.g. one per core: faster than one "
-        "process with all threads on small CPUs; see docs/performance.md)",
+    add_workers_flag(
+        p,
+        "CPU: decode whole batches in this many forked processes of one thread each, "
+        "the same outputs (one per core: faster than one process of all threads; "
+        "docs/performance.md)",
     )
     p.add_argument(
         "--no-progress",
@@ -283,13 +280,7 @@ examples:
         help="inference precision, as for translate (auto: this machine's fastest)",
     )
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ...")
-    p.add_argument(
-        "--workers",
-        type=int,
-        default=1,
-        metavar="N",
-        help="CPU: decode batches in this many forked processes, as for translate",
-    )
+    add_workers_flag(p, "CPU: decode batches in this many forked processes, as for translate")
     p.add_argument(
         "--constrained",
         action=argparse.BooleanOptionalAction,

@@ -1,10 +1,36 @@
-"""The parsers of forced decoding (`score`) and of sampling (translate --sampling)."""
+"""The parsers of forced decoding (`score`), of sampling (translate --sampling) and the
+--workers flag that translate, parse and serve share."""
 
 from __future__ import annotations
 
 import argparse
 
 from aiayn.cli.formatting import command_parser
+
+
+def workers_count(text: str) -> int | str:
+    """The type of --workers: "auto" or a count >= 1."""
+    if text == "auto":
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a count nor auto") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 (or auto), got {n}")
+    return n
+
+
+def add_workers_flag(p: argparse.ArgumentParser, help: str) -> None:
+    """--workers of translate, parse and serve (`aiayn.decoding.workers.default_workers`)."""
+    p.add_argument(
+        "--workers",
+        type=workers_count,
+        default="auto",
+        metavar="N",
+        help=help + "; auto: on the CPU one per thread PyTorch uses here (the "
+        "physical cores, or OMP_NUM_THREADS), 1 on a GPU",
+    )
 
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:

@@ -55,6 +55,26 @@ def check_workers(workers: int, device: str | torch.device = "cpu") -> None:
         raise ValueError("workers > 1 needs the 'fork' start method (Linux, macOS)")
 
 
+def default_workers(device: str | torch.device = "cpu") -> int:
+    """The processes `--workers auto` decodes in: on the CPU one per thread PyTorch would use
+    (`torch.get_num_threads()`: the physical cores, or OMP_NUM_THREADS), since whole batches
+    in one-thread processes decoded 1.2-1.4x faster than one process of all threads on a
+    2-core CPU, the same outputs (measured: docs/performance.md, "Worker processes"); 1 on
+    a GPU or where processes cannot be forked."""
+    if torch.device(device).type != "cpu" or "fork" not in mp.get_all_start_methods():
+        return 1
+    return max(1, torch.get_num_threads())
+
+
+def resolve_workers(workers: int | str, device: str | torch.device = "cpu") -> int:
+    """`workers` as a count: "auto" is `default_workers(device)`."""
+    if workers == "auto":
+        return default_workers(device)
+    if isinstance(workers, str):
+        raise ValueError(f"workers must be a count >= 1 or 'auto', got {workers!r}")
+    return workers
+
+
 #: Set by `freeze_for_workers`: this process keeps its objects frozen for good.
 _kept_frozen = False
 
