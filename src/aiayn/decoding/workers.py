@@ -1,10 +1,12 @@
 """Decoding whole batches in parallel worker processes, one thread each (CPU).
 
-A decoding step is ~1,300 small operators; with two threads each of them is split across
-both cores, which then meet ~1,300 times a step. Handing whole batches to single-threaded
-processes instead, as CTranslate2's `inter_threads` does, decoded more sentences per
-second on a 2-core CPU with 64-sentence batches; with batches large enough to keep both
-threads busy, no gain showed (measured: docs/performance.md, "Worker processes").
+Two threads split each small product of a decoding step across both cores, which then
+meet at every one, and much of a step runs on one thread whatever the count (the search's
+Python; the one C call of `aiayn.fast.decoder_step`). Handing whole batches to
+single-threaded processes instead, as CTranslate2's `inter_threads` does, decoded more sentences per
+second on a 2-core CPU: `aiayn translate` 1.2-1.3x (float32) to 1.6-1.8x (int8), `aiayn
+parse` 1.2-1.3x, the same outputs (measured: docs/performance.md, "Worker processes by
+default"), so `--workers auto`, the commands' default, takes one a core.
 
 The workers are forked: they share the model's memory (copy-on-write), and only batch
 numbers and results cross between processes. A forked process may use only one OpenMP
@@ -57,10 +59,8 @@ def check_workers(workers: int, device: str | torch.device = "cpu") -> None:
 
 def default_workers(device: str | torch.device = "cpu") -> int:
     """The processes `--workers auto` decodes in: on the CPU one per thread PyTorch would use
-    (`torch.get_num_threads()`: the physical cores, or OMP_NUM_THREADS), since whole batches
-    in one-thread processes decoded 1.2-1.4x faster than one process of all threads on a
-    2-core CPU, the same outputs (measured: docs/performance.md, "Worker processes"); 1 on
-    a GPU or where processes cannot be forked."""
+    (`torch.get_num_threads()`: the physical cores, or OMP_NUM_THREADS), as the module doc
+    says why; 1 on a GPU or where processes cannot be forked."""
     if torch.device(device).type != "cpu" or "fork" not in mp.get_all_start_methods():
         return 1
     return max(1, torch.get_num_threads())
