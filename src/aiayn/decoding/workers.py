@@ -3,10 +3,10 @@
 Two threads split each small product of a decoding step across both cores, which then
 meet at every one, and much of a step runs on one thread whatever the count (the search's
 Python; the one C call of `aiayn.fast.decoder_step`). Handing whole batches to
-single-threaded processes instead, as CTranslate2's `inter_threads` does, decoded more sentences per
-second on a 2-core CPU: `aiayn translate` 1.2-1.3x (float32) to 1.6-1.8x (int8), `aiayn
-parse` 1.2-1.3x, the same outputs (measured: docs/performance.md, "Worker processes by
-default"), so `--workers auto`, the commands' default, takes one a core.
+single-threaded processes instead, as CTranslate2's `inter_threads` does, decoded more
+sentences per second on a 2-core CPU: `aiayn translate` 1.2-1.3x (float32) to 1.6-1.8x
+(int8), `aiayn parse` 1.2-1.3x, the same outputs (measured: docs/performance.md, "Worker
+processes by default"), so `--workers auto`, the commands' default, takes one a core.
 
 The workers are forked: they share the model's memory (copy-on-write), and only batch
 numbers and results cross between processes. A forked process may use only one OpenMP
