@@ -758,6 +758,67 @@ def test_int8_gemm_is_exact_over_the_whole_range(m: int, n: int, k: int) -> None
     extremes included (where oneDNN's kernel without VNNI saturates): the exact integer
     product, for partial panels and k groups, any column range, both code paths and
     thread splits."""
+    check_int8_gemm(m, n, k)
+
+
+#: csrc/int8_gemm.c's VNNI steps (vpdpbusd) on a CPU without VNNI: the instruction as
+#: Intel's manual defines it (each int32 lane plus the four products of its bytes, a
+#: unsigned, b signed, no saturation), force-included before the source with its ISA's
+#: macros so that the VNNI branch is compiled (`-include`, through a compiler wrapper as CC).
+_VNNI_SHIMS = {
+    "avx512_vnni": ("#define __AVX512VNNI__ 1\n#define __AVX512VL__ 1\n", "_mm256_dpbusd_epi32"),
+    "avx_vnni": ("#define __AVXVNNI__ 1\n", "_mm256_dpbusd_avx_epi32"),
+}
+_VPDPBUSD = """#include <immintrin.h>
+#include <stdint.h>
+static inline __m256i vpdpbusd_by_definition(__m256i src, __m256i a, __m256i b) {
+    int32_t r[8]; uint8_t ua[32]; int8_t sb[32];
+    _mm256_storeu_si256((__m256i *)r, src);
+    _mm256_storeu_si256((__m256i *)ua, a);
+    _mm256_storeu_si256((__m256i *)sb, b);
+    for (int i = 0; i < 8; i++)
+        for (int j = 0; j < 4; j++) r[i] += (int32_t)ua[4 * i + j] * (int32_t)sb[4 * i + j];
+    return _mm256_loadu_si256((const __m256i *)r);
+}
+"""
+
+
+@needs_cc
+@pytest.mark.parametrize("variant", sorted(_VNNI_SHIMS))
+def test_int8_gemm_vnni_steps_are_exact_emulated(variant: str, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The kernel's VNNI steps (AVX-512 VNNI, AVX-VNNI), compiled against vpdpbusd written
+    out by its definition on this AVX2 CPU, give the exact products too (a wrong operand
+    order fails here); on CPUs with VNNI the every-ISA test above runs the instruction."""
+    from aiayn.cpu_isa import cpu
+
+    if "avx2" not in cpu().flags:
+        pytest.skip("the emulated build runs the AVX2 kernel: this CPU has no AVX2")
+    macros, intrinsic = _VNNI_SHIMS[variant]
+    shim = tmp_path / "vnni_shim.h"
+    shim.write_text(
+        _VPDPBUSD
+        + macros
+        + f"#undef {intrinsic}\n#define {intrinsic}(s, a, b) vpdpbusd_by_definition(s, a, b)\n"
+    )
+    wrapper = tmp_path / "cc"
+    wrapper.write_text(f'#!/bin/sh\nexec {shutil.which("cc")} -include {shim} "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CC", str(wrapper))
+    native.clear_cache()
+    try:
+        lib = native.library_for("avx2")
+        assert lib is not None
+        monkeypatch.setattr(native, "library", lambda: lib)
+        for m, n, k in [(1, 8, 4), (3, 13, 7), (37, 100, 130), (5, 301, 1030)]:
+            check_int8_gemm(m, n, k)
+    finally:
+        monkeypatch.undo()
+        native.clear_cache()
+
+
+def check_int8_gemm(m: int, n: int, k: int) -> None:
+    """`native.int8_gemm` against the integer product: signed, sign-free (ReLU inputs) and
+    7-bit inputs, whole and partial column ranges, one and two threads, both code paths."""
     g = torch.Generator().manual_seed(m * n + k)
     a = torch.randint(-127, 128, (m, k + 3), dtype=torch.int8, generator=g)[:, :k]  # strided
     b = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
