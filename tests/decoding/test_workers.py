@@ -13,6 +13,7 @@ import torch
 
 from aiayn.decoding import workers as workers_module
 from aiayn.decoding.workers import check_workers, map_batches, resolve_workers
+from aiayn.fast import native
 
 
 def _square_with_threads(i: int) -> tuple[int, int, int]:
@@ -160,3 +161,45 @@ def test_the_workers_flag_takes_a_count_or_auto() -> None:
         workers_count("many")
     with pytest.raises(ArgumentTypeError, match=">= 1"):
         workers_count("0")
+
+
+def _plan_id(_: int) -> int:
+    plan = _model.__dict__.get("_decoder_plan")
+    return id(plan[1]) if plan is not None and plan[1] is not None else 0
+
+
+def _decode_then_plan_id(_: int) -> int:
+    from aiayn.decoding.search import beam_search
+
+    with torch.inference_mode():
+        beam_search(_model, torch.randint(4, 40, (2, 5)), 2, 0.6, 1.0, 3, 1)
+    return _plan_id(0)
+
+
+_model: torch.nn.Module
+
+
+@pytest.mark.skipif(native.library() is None, reason="no C compiler: no one-call step")
+def test_workers_share_the_decoding_plan_built_before_forking() -> None:
+    """`prepare_shared` lays out the one-call step's weights in this process, so that forked
+    workers decode with that one copy (copy-on-write) instead of each building its own
+    (measured: 294 -> 35-39 MiB private to each worker, base float32 with 37,000 words)."""
+    global _model
+    from aiayn.decoding.search import beam_search
+    from helpers import tiny_model
+
+    _model = tiny_model()
+    src = torch.randint(4, 40, (2, 5))
+    with torch.inference_mode():
+        beam_search(_model, src, 2, 0.6, 1.0, 3, 1)  # a small search takes the one call
+    assert _plan_id(0) != 0, "the one-call step did not apply here: the test has no teeth"
+    _model = tiny_model()  # a fresh one, no plan yet
+    assert _plan_id(0) == 0
+    workers_module.prepare_shared(_model)
+    parent = _plan_id(0)
+    assert parent != 0
+    assert map_batches(_decode_then_plan_id, 2, workers=2) == [parent, parent]
+    _model.train()  # a model being trained gets none
+    _model.__dict__.pop("_decoder_plan")
+    workers_module.prepare_shared(_model)
+    assert _plan_id(0) == 0

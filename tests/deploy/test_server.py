@@ -44,6 +44,7 @@ from aiayn.deploy.server import (  # noqa: E402
     ServerLimits,
     create_app,
 )
+from aiayn.fast import native  # noqa: E402
 from helpers import MODEL, ROOT, assert_one_line_error, cli, train_copy_model  # noqa: E402
 
 LETTERS = "abcdefghi"
@@ -222,6 +223,26 @@ def test_fifty_clients_twenty_requests_each(backend: AiaynBackend) -> None:
         results = _load(server.url, clients=50, per_client=20, texts=texts)
     assert len(results) == 1000
     _check_load(backend, results, texts)
+
+
+def test_forked_decoding_processes_share_the_plan_made_before(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`serve --workers K` lays out the one-call step's weights before forking its
+    processes (`decoding.workers.prepare_shared`): one copy for all, not one each."""
+    from aiayn.decoding import workers
+    from aiayn.deploy import batcher
+
+    models, tokenizer, cfg = load_ensemble([checkpoint])
+    fresh = AiaynBackend(models[0].eval(), tokenizer, cfg.decode, name="fresh")
+    assert "_decoder_plan" not in fresh.model.__dict__
+    monkeypatch.setattr(workers, "freeze_for_workers", lambda: None)  # not for good, here
+    pool = batcher._fork_workers(fresh, 1)
+    pool.shutdown()
+    key_and_plan = fresh.model.__dict__.get("_decoder_plan")
+    assert key_and_plan is not None and (key_and_plan[1] is not None) == (
+        native.library() is not None
+    )
 
 
 def test_options_nbest_and_scores_equal_the_library(backend: AiaynBackend) -> None:

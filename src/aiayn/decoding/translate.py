@@ -40,7 +40,7 @@ from aiayn.decoding.constraints import Constraint, ForcedPrefix
 from aiayn.decoding.ensemble import Ensemble
 from aiayn.decoding.sampling import SamplingOptions, sample
 from aiayn.decoding.search import Hypothesis, beam_search, position_limit
-from aiayn.decoding.workers import check_workers, map_batches
+from aiayn.decoding.workers import check_workers, map_batches, prepare_shared
 from aiayn.files import InputError, atomic_write, read_bytes
 from aiayn.model import Transformer
 
@@ -235,6 +235,8 @@ def translate_nbest(
         if progress is not None:
             progress(len(batches[b]))
 
+    if workers > 1 and len(batches) > 1:
+        prepare_shared(model)  # one copy for every worker, not one each
     map_batches(decode, len(batches), workers, done)
     return results, stats
 

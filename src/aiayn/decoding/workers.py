@@ -75,6 +75,16 @@ def resolve_workers(workers: int | str, device: str | torch.device = "cpu") -> i
     return workers
 
 
+def prepare_shared(model: Any) -> None:
+    """Build here, before forking, what each decoding process would otherwise build for
+    itself on its first batch (`FastTransformer.prepare_decoding`: the one-call step's
+    weights), so that the workers share one copy. Any model or ensemble (`members`)."""
+    for member in getattr(model, "members", None) or [model]:
+        prepare = getattr(member, "prepare_decoding", None)
+        if prepare is not None:
+            prepare()
+
+
 #: Set by `freeze_for_workers`: this process keeps its objects frozen for good.
 _kept_frozen = False
 

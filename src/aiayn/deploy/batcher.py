@@ -29,11 +29,14 @@ def _fork_workers(backend: Backend, workers: int) -> Executor:
     mid-way), each with one torch thread (aiayn.decoding.workers says why only one)."""
     import multiprocessing as mp
 
-    from aiayn.decoding.workers import check_workers, freeze_for_workers
+    from aiayn.decoding.workers import check_workers, freeze_for_workers, prepare_shared
 
     global _forked_backend
     check_workers(workers)
     _forked_backend = backend
+    model = getattr(backend, "model", None)  # aiayn's backend (engines.AiaynBackend)
+    if model is not None:
+        prepare_shared(model)  # one copy for every process, not one each
     freeze_for_workers()  # the model's objects stay shared, copy-on-write
     pool = ProcessPoolExecutor(
         workers, mp_context=mp.get_context("fork"), initializer=_init_decoding_process
