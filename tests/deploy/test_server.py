@@ -774,3 +774,48 @@ def test_hostile_json_gets_a_json_4xx_counted_and_a_fault_a_json_500(
         assert status == 500 and "RuntimeError" in body["error"]
         metrics = urllib.request.urlopen(server.url + "/metrics").read().decode()
         assert _count(metrics, "500") == 1
+
+
+class PidBackend:
+    """A backend whose every output is the id of the process that decoded it."""
+
+    name = "pids"
+    input_limit = 100
+
+    def count_tokens(self, text: str) -> int:
+        return len(text.split())
+
+    def translate(
+        self, texts: list[str], options: Options, line_numbers: list[int] | None = None
+    ) -> list[list[Translation]]:
+        time.sleep(0.05)  # long enough for the requests sent together to meet here
+        return [[Translation(str(os.getpid()), 0.0)] for _ in texts]
+
+
+def test_with_processes_a_lone_request_is_decoded_in_the_servers_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 72, latency at low load: with decoding processes, a lone request on an idle
+    server is decoded in the server's own process (no pipe to a worker and back), on one
+    thread as in the workers; requests that come together still go to the workers."""
+    from aiayn.decoding import workers
+
+    monkeypatch.setattr(workers, "freeze_for_workers", lambda: None)  # not for good, here
+    options, threads = Options(beam=1, alpha=0.6, nbest=1), torch.get_num_threads()
+
+    async def scenario() -> tuple[Any, Any, int]:
+        batcher = Batcher(PidBackend(), ServerLimits(batch_wait_ms=0), workers=2, processes=True)
+        await batcher.start()
+        try:
+            lone = await batcher.submit(["a"], 1, options)
+            inside = torch.get_num_threads()
+            together = await asyncio.gather(*(batcher.submit([t], 1, options) for t in "bcdefgh"))
+            return lone, together, inside
+        finally:
+            await batcher.stop()
+
+    lone, together, inside = asyncio.run(scenario())
+    here = str(os.getpid())
+    assert lone[0][0].text == here and inside == 1
+    assert any(r[0][0].text != here for r in together)  # a worker's
+    assert torch.get_num_threads() == threads  # given back at stop

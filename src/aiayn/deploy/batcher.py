@@ -91,6 +91,12 @@ class Batcher:
             count cores / workers: `aiayn serve` does), or with `processes`, each in a
             forked process of one thread, as `aiayn translate --workers` decodes: the
             beam search's Python then runs beside the HTTP layer's, not under one lock.
+            With processes, a lone request on an idle server (nothing decoding, nothing
+            else waiting) is decoded in this process instead, on one thread: it skips the
+            pipe to a worker and back (8-13% more one-client sentences/s). Not more:
+            decoding here every batch that found the workers idle cost 10-13% of the
+            sentences/s at 32 clients, this process's lock being the HTTP layer's too
+            (docs/performance.md, "Worker processes by default").
         metrics: where counts go (a `Metrics`), or None.
     """
 
@@ -114,12 +120,21 @@ class Batcher:
         self._wakeup: asyncio.Event | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._pool: Executor | None = None
+        self._here: Executor | None = None  # with processes: idle batches, in this process
+        self._threads_before = 0  # torch's threads before start() set one (processes)
 
     # -- life
     async def start(self) -> None:
         self._wakeup = asyncio.Event()
         if self.processes:
             self._pool = _fork_workers(self.backend, self.workers)
+            self._here = ThreadPoolExecutor(1, thread_name_prefix="aiayn-decode-here")
+            # one thread here too, as in the workers: the same path, the same outputs, and
+            # no third thread on the cores beside two busy workers
+            import torch
+
+            self._threads_before = torch.get_num_threads()
+            torch.set_num_threads(1)
         else:
             self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="aiayn-decode")
         self._tasks = [asyncio.create_task(self._worker()) for _ in range(self.workers)]
@@ -130,8 +145,13 @@ class Batcher:
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        for pool in (self._pool, self._here):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        if self._threads_before:
+            import torch
+
+            torch.set_num_threads(self._threads_before)
         for job in self.pending:
             if not job.future.done():
                 job.future.set_exception(OverloadedError("the server is stopping"))
@@ -224,17 +244,20 @@ class Batcher:
                 self._wakeup.set()  # another worker may take the rest
             texts = [t for job in batch for t in job.texts]
             start = time.perf_counter()
+            # an idle server's lone request is decoded here, without the pipes (class doc)
+            here = self._here is not None and not self.busy and not self.pending
+            here = here and len(batch) == 1
             self.busy += 1
             try:
-                decode = _decode_forked if self.processes else self.backend.translate
+                pool = self._here if here else self._pool
+                forked = self.processes and not here
+                decode = _decode_forked if forked else self.backend.translate
                 options = batch[0].options
                 if options.sampling is None:
-                    results = await loop.run_in_executor(self._pool, decode, texts, options)
+                    results = await loop.run_in_executor(pool, decode, texts, options)
                 else:  # each text's index in its own request seeds its samples
                     numbers = [i for job in batch for i in range(len(job.texts))]
-                    results = await loop.run_in_executor(
-                        self._pool, decode, texts, options, numbers
-                    )
+                    results = await loop.run_in_executor(pool, decode, texts, options, numbers)
             except Exception as e:  # a bug or a system fault: each request gets a 500
                 logger.exception("decoding a batch of %d sentences failed", len(texts))
                 for job in batch:
