@@ -245,8 +245,7 @@ class Batcher:
             texts = [t for job in batch for t in job.texts]
             start = time.perf_counter()
             # an idle server's lone request is decoded here, without the pipes (class doc)
-            here = self._here is not None and not self.busy and not self.pending
-            here = here and len(batch) == 1
+            here = self._here is not None and len(batch) == 1 and not (self.busy or self.pending)
             self.busy += 1
             try:
                 pool = self._here if here else self._pool

@@ -296,7 +296,7 @@ class FastTransformer(paper.Transformer):
         `serve`), so that they share it copy-on-write instead of each building its own: for
         float32 a second copy of the decoder's weights (280 MiB for the base model with
         37,000 words)."""
-        if self._own_steps() and not self.training:  # plan_for: the CPU only
+        if self._own_steps():  # plan_for decides where it applies (CPU, eval, no hooks)
             with torch.no_grad():
                 decoder_step.plan_for(self, 1)
 
